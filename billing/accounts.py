@@ -1,0 +1,132 @@
+"""Tenants and API keys: create, list, revoke. Keys are stored only as SHA-256 hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from billing.models import ApiKey, Tenant, utcnow
+
+KEY_PREFIX = "tg-"
+DISPLAY_CHARS = 10
+
+
+class AccountError(ValueError):
+    pass
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    id: int
+    key: str  # shown once, never stored
+    prefix: str
+    tenant: str
+
+
+def create_tenant(engine: Engine, name: str, budget_usd: float | None = None) -> Tenant:
+    if not name.strip():
+        raise AccountError("tenant name must not be empty")
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        if s.scalar(select(Tenant).where(Tenant.name == name)) is not None:
+            raise AccountError(f"tenant {name!r} already exists")
+        tenant = Tenant(name=name, budget_usd=budget_usd)
+        s.add(tenant)
+    return tenant
+
+
+def get_or_create_tenant(engine: Engine, name: str) -> Tenant:
+    with Session(engine, expire_on_commit=False) as s:
+        tenant = s.scalar(select(Tenant).where(Tenant.name == name))
+    return tenant if tenant is not None else create_tenant(engine, name)
+
+
+def list_tenants(engine: Engine) -> list[Tenant]:
+    with Session(engine, expire_on_commit=False) as s:
+        return list(s.scalars(select(Tenant).order_by(Tenant.id)))
+
+
+def set_tenant_budget(engine: Engine, name: str, budget_usd: float | None) -> None:
+    with Session(engine) as s, s.begin():
+        tenant = s.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is None:
+            raise AccountError(f"no tenant named {name!r}")
+        tenant.budget_usd = budget_usd
+
+
+def create_key(
+    engine: Engine,
+    tenant: str,
+    *,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    budget_usd: float | None = None,
+    name: str | None = None,
+    project: str | None = None,
+) -> CreatedKey:
+    for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_usd", budget_usd)):
+        if value is not None and value < 0:
+            raise AccountError(f"{field} must not be negative")
+    key = new_key()
+    prefix = key[:DISPLAY_CHARS]
+    with Session(engine) as s, s.begin():
+        owner = s.scalar(select(Tenant).where(Tenant.name == tenant))
+        if owner is None:
+            raise AccountError(f"no tenant named {tenant!r}")
+        row = ApiKey(tenant_id=owner.id, key_hash=hash_key(key), prefix=prefix, name=name, project=project,
+                     rpm=rpm, tpm=tpm, budget_usd=budget_usd)
+        s.add(row)
+        s.flush()
+        key_id = row.id
+    return CreatedKey(id=key_id, key=key, prefix=prefix, tenant=tenant)
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: int
+    prefix: str
+    tenant: str
+    name: str | None
+    project: str | None
+    rpm: int | None
+    tpm: int | None
+    budget_usd: float | None
+    revoked: bool
+    created_at: datetime
+
+
+def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
+    q = select(ApiKey, Tenant.name).join(Tenant).order_by(ApiKey.id)
+    if tenant is not None:
+        q = q.where(Tenant.name == tenant)
+    with Session(engine) as s:
+        return [KeyInfo(k.id, k.prefix, t, k.name, k.project, k.rpm, k.tpm, k.budget_usd, k.revoked, k.created_at)
+                for k, t in s.execute(q)]
+
+
+def revoke_key(engine: Engine, key_id_or_prefix: str) -> int:
+    """Revoke by numeric id or by display prefix; returns the key's id."""
+    with Session(engine) as s, s.begin():
+        if key_id_or_prefix.isdigit():
+            rows = list(s.scalars(select(ApiKey).where(ApiKey.id == int(key_id_or_prefix))))
+        else:
+            rows = list(s.scalars(select(ApiKey).where(ApiKey.prefix == key_id_or_prefix[:DISPLAY_CHARS])))
+        if not rows:
+            raise AccountError(f"no key {key_id_or_prefix!r}")
+        if len(rows) > 1:
+            raise AccountError(f"prefix {key_id_or_prefix!r} matches {len(rows)} keys; revoke by id")
+        rows[0].revoked = True
+        rows[0].revoked_at = utcnow()
+        return rows[0].id

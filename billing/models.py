@@ -1,0 +1,141 @@
+"""The SQL schema: tenants, API keys, deployments, usage events, replica intervals and the counters
+that limits and budgets read. Alembic (migrations/) owns the tables; this module is their source."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    budget_usd: Mapped[float | None] = mapped_column(Float)  # monthly, None: unlimited
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in listings: "tg-AbCdEfG"
+    name: Mapped[str | None] = mapped_column(String(200))
+    project: Mapped[str | None] = mapped_column(String(200))  # becomes a tag on every usage event
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(Integer)
+    budget_usd: Mapped[float | None] = mapped_column(Float)  # monthly, None: unlimited
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys")
+
+
+class ModelDeployment(Base):
+    __tablename__ = "model_deployments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    spec: Mapped[dict] = mapped_column(JSON)
+    input_per_1m: Mapped[float] = mapped_column(Float, default=0.0)
+    output_per_1m: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_hour: Mapped[float] = mapped_column(Float, default=0.0)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class UsageEvent(Base):
+    __tablename__ = "usage_events"
+    __table_args__ = (
+        Index("ix_usage_events_tenant_created", "tenant_id", "created_at"),
+        Index("ix_usage_events_created", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id"))
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
+    end_user: Mapped[str | None] = mapped_column(String(200))  # the request's OpenAI `user` field
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(50))  # chat.completions | completions
+    route: Mapped[str | None] = mapped_column(String(50))
+    status: Mapped[str] = mapped_column(String(20))  # ok | failed | cancelled
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
+    latency_s: Mapped[float] = mapped_column(Float, default=0.0)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class ReplicaInterval(Base):
+    __tablename__ = "replica_intervals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    replica: Mapped[str] = mapped_column(String(200))
+    start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    busy_s: Mapped[float] = mapped_column(Float, default=0.0)
+    idle_s: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class RateWindow(Base):
+    """Requests and tokens one key used in one minute; rows are upserted atomically by every gateway."""
+
+    __tablename__ = "rate_windows"
+
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # unix time // 60
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class SpendCounter(Base):
+    """Spend of one key or one tenant in one calendar month (UTC), kept by the ledger writer."""
+
+    __tablename__ = "spend_counters"
+
+    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant
+    scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
+    spent_usd: Mapped[float] = mapped_column(Float, default=0.0)

@@ -1,0 +1,67 @@
+"""Usage summaries for `platform usage`: one SQL aggregate query, returned as a DataFrame."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pandas as pd
+from sqlalchemy import Engine, String, cast, func, select
+
+from billing.models import ApiKey, Tenant, UsageEvent
+
+GROUPS = ("day", "month", "model", "tenant", "key", "user", "status", "endpoint")
+
+
+def usage_frame(
+    engine: Engine,
+    *,
+    tenant: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    group_by: tuple[str, ...] = ("day", "model"),
+) -> pd.DataFrame:
+    unknown = [g for g in group_by if g not in GROUPS]
+    if unknown:
+        raise ValueError(f"group_by: unknown {unknown}; choose from {GROUPS}")
+    created = UsageEvent.created_at
+    columns = {
+        "day": func.substr(cast(created, String), 1, 10),
+        "month": func.substr(cast(created, String), 1, 7),
+        "model": UsageEvent.model,
+        "tenant": Tenant.name,
+        "key": ApiKey.prefix,
+        "user": UsageEvent.end_user,
+        "status": UsageEvent.status,
+        "endpoint": UsageEvent.endpoint,
+    }
+    keys = [columns[g].label(g) for g in group_by]
+    q = (
+        select(
+            *keys,
+            func.count().label("requests"),
+            func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion_tokens"),
+            func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached_tokens"),
+            func.coalesce(func.sum(UsageEvent.cost_usd), 0.0).label("cost_usd"),
+        )
+        .select_from(UsageEvent)
+        .outerjoin(Tenant, Tenant.id == UsageEvent.tenant_id)
+        .outerjoin(ApiKey, ApiKey.id == UsageEvent.api_key_id)
+    )
+    if tenant is not None:
+        q = q.where(Tenant.name == tenant)
+    if since is not None:
+        q = q.where(created >= since)
+    if until is not None:
+        q = q.where(created < until)
+    if keys:
+        q = q.group_by(*keys).order_by(*keys)
+    with engine.connect() as conn:
+        rows = conn.execute(q).mappings().all()
+    frame = pd.DataFrame(rows, columns=[*group_by, "requests", "prompt_tokens", "completion_tokens",
+                                        "cached_tokens", "cost_usd"])
+    for c in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens"):
+        frame[c] = frame[c].astype("int64")
+    frame["cost_usd"] = frame["cost_usd"].astype("float64")
+    return frame
+
