@@ -1,0 +1,305 @@
+"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import PromptTooLongError
+from engine.kv_cache import KVCacheManager
+from engine.loader import load_model
+from engine.metrics import EngineMetrics
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.runner import ModelRunner, SampledToken
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: CUDA was asked for but is not available")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = _DTYPES[config.dtype]
+    return device, dtype
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    stream: bool
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.device, self.dtype = resolve_device_and_dtype(config)
+        torch.manual_seed(config.seed)
+        log.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
+        loaded = load_model(config.model, self.device, self.dtype, config.tokenizer)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._max_model_len()
+        model = LlamaForCausalLM(self.model_config, self.max_model_len, self.device, self.dtype)
+        model.load_weights(loaded.weights)
+        model.eval()
+        self.eos_token_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        ) | frozenset(self.model_config.eos_token_ids)
+        self.runner = ModelRunner(
+            config, self.model_config, model, self.device, self.dtype, self.max_model_len, self.eos_token_ids
+        )
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, RequestState] = {}
+        self.metrics = EngineMetrics()
+        self.load_seconds = time.perf_counter() - started
+        log.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks", self.load_seconds, self.max_model_len,
+                 self.runner.num_blocks)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})")
+        window = self.model_config.sliding_window
+        if window is not None and wanted > window:
+            log.warning("max_model_len capped at the sliding window (%d): attention here is full attention", window)
+            wanted = window
+        return wanted
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+                ids = ids[1:]  # the text (e.g. a rendered chat template) already began with BOS
+            return prompt, ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | SequenceOf[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        stream: bool = True,
+    ) -> None:
+        """Validates and queues a request. Bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        text, ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if self.kv.blocks_needed(longest) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt: {longest} tokens need {self.kv.blocks_needed(longest)} KV blocks, the pool has {self.kv.num_blocks}"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seqs.append(seq)
+        state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(arrival, num_prompt_tokens=len(ids)),
+                             stream)
+        self.requests[request_id] = state
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        state.metrics.finished_time = time.monotonic()
+        return self._output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.metrics.num_preemptions += len(batch.preempted)
+        for seq in batch.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_cached_tokens and seq.num_preemptions == 0:
+                    metrics.num_cached_tokens += seq.num_cached_tokens
+                    self.metrics.prompt_tokens_cached += seq.num_cached_tokens
+                computed = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) - seq.num_computed_tokens
+                metrics.num_computed_prompt_tokens += computed
+                self.metrics.prompt_tokens_computed += computed
+        sampled = self.runner.execute(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(seq)
+        self.metrics.num_steps += 1
+        self.metrics.generation_tokens += len(sampled)
+        touched: dict[str, RequestState] = {}
+        now = time.monotonic()
+        for item in sampled:
+            state = self.requests[item.seq.request_id]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            self._append_token(item)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                del self.requests[state.request_id]
+                state.metrics.finished_time = now
+                self.metrics.record_request(state.metrics.arrival_time, state.metrics.first_token_time, now,
+                                            max(seq.num_output_tokens for seq in state.seqs))
+            if state.stream or state.finished:
+                outputs.append(self._output(state))
+        return outputs
+
+    def _append_token(self, item: SampledToken) -> None:
+        seq, token = item.seq, item.token_id
+        params = seq.params
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and item.logprob is not None:
+            seq.logprobs.append(item.logprob)
+        finish: str | None = None
+        stop_reason: str | int | None = None
+        if token in params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            finish = "stop"
+        if finish is None and seq.detokenizer is not None:
+            new_text = seq.detokenizer.add([token])
+            if new_text:
+                seq.text += new_text
+                if params.stop:
+                    finish, stop_reason = self._check_stop_strings(seq, len(new_text))
+        if finish is None:
+            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+                finish = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                finish = "length"
+            if finish is not None and seq.detokenizer is not None:
+                seq.text += seq.detokenizer.finish()
+        if finish is not None:
+            seq.finish_reason, seq.stop_reason = finish, stop_reason
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, num_new_chars: int) -> tuple[str | None, str | None]:
+        params = seq.params
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(seq.text) - num_new_chars - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            at = seq.text.find(stop, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None, None
+        at, stop = best
+        seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+        return "stop", stop
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            if seq.finished or not seq.params.stop:
+                visible = len(seq.text)
+            else:
+                visible = max(seq.num_emitted_chars, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+            out_ids = seq.output_token_ids
+            delta_ids = out_ids[seq.num_emitted_tokens :]
+            delta_text = seq.text[seq.num_emitted_chars : visible]
+            delta_lp = None
+            if seq.logprobs is not None:
+                delta_lp = seq.logprobs[seq.num_emitted_logprobs :]
+                seq.num_emitted_logprobs = len(seq.logprobs)
+            seq.num_emitted_tokens = len(out_ids)
+            seq.num_emitted_chars = visible
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text[:visible],
+                    token_ids=out_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    delta_logprobs=delta_lp,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            metrics=state.metrics,
+        )
+
+    # ---- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        snap = self.metrics.snapshot(
+            self.kv.num_used_blocks, self.kv.num_blocks, len(self.scheduler.running), len(self.scheduler.waiting)
+        )
+        snap["load_seconds"] = self.load_seconds
+        return snap

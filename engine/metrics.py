@@ -1,0 +1,62 @@
+"""Engine counters: TTFT, TPOT, tokens/s, KV-cache use, busy and idle seconds."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class EngineMetrics:
+    started_at: float = field(default_factory=time.monotonic)
+    num_requests_finished: int = 0
+    num_steps: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    busy_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    ttft_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
+    tpot_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def record_request(self, arrival: float, first_token: float | None, finished: float, num_output_tokens: int) -> None:
+        self.num_requests_finished += 1
+        if first_token is None:
+            return
+        self.ttft_seconds.append(first_token - arrival)
+        if num_output_tokens > 1:
+            self.tpot_seconds.append((finished - first_token) / (num_output_tokens - 1))
+
+    def snapshot(self, kv_blocks_used: int, kv_blocks_total: int, num_running: int, num_waiting: int) -> dict:
+        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        ttft, tpot = list(self.ttft_seconds), list(self.tpot_seconds)
+        return {
+            "num_requests_finished": self.num_requests_finished,
+            "num_running": num_running,
+            "num_waiting": num_waiting,
+            "num_steps": self.num_steps,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "prompt_tokens_cached": self.prompt_tokens_cached,
+            "generation_tokens": self.generation_tokens,
+            "generation_tokens_per_s": self.generation_tokens / elapsed,
+            "num_preemptions": self.num_preemptions,
+            "kv_blocks_used": kv_blocks_used,
+            "kv_blocks_free": kv_blocks_total - kv_blocks_used,
+            "kv_blocks_total": kv_blocks_total,
+            "kv_cache_usage": kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0,
+            "busy_seconds": self.busy_seconds,
+            "idle_seconds": self.idle_seconds,
+            "ttft_p50_s": _percentile(ttft, 0.5),
+            "ttft_p99_s": _percentile(ttft, 0.99),
+            "tpot_p50_s": _percentile(tpot, 0.5),
+            "tpot_p99_s": _percentile(tpot, 0.99),
+        }

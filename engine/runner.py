@@ -1,0 +1,176 @@
+"""Turns a scheduled batch into tensors, runs the network, samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.models.attention_metadata import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler, SamplingRow, suppress_tokens
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_blocks = self._choose_num_blocks()
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block / 2**30)
+
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _choose_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        enough = self.config.max_num_seqs * self.max_blocks_per_seq
+        if self.device.type == "cuda":
+            return min(enough, self._profile_free_blocks())
+        budget = int(self.config.cpu_kv_cache_gib * 2**30) // self.bytes_per_block
+        return max(1, min(enough, budget))
+
+    @torch.inference_mode()
+    def _profile_free_blocks(self) -> int:
+        """Runs the largest batch once, then gives the KV pool what is left of gpu_memory_utilization."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        blocks = -(-num_tokens // self.block_size)
+        cfg = self.model_config
+        shape = (blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        caches = [(torch.zeros(shape, device=self.device, dtype=self.dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32).unsqueeze(0),
+            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta, caches)
+        logits = self.model.compute_logits(hidden[:num_seqs])
+        torch.softmax(logits, dim=-1).sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        del caches, hidden, logits, meta
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        peak, current = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+        budget = int(total * self.config.gpu_memory_utilization - used - peak + current)
+        if budget < self.bytes_per_block:
+            raise ValueError(
+                "gpu_memory_utilization: no memory left for the KV cache after loading the model "
+                f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+            )
+        return budget // self.bytes_per_block
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        logits_indices: list[int] = []
+        max_blocks = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_ids
+            for pos in range(start, end):
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + num_new)
+            if end == seq.num_tokens:
+                logits_indices.append(query_start[-1] - 1)
+            max_blocks = max(max_blocks, len(table))
+        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs]
+        dev = self.device
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long),
+            block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(query_start, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, logits_indices
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs the batch; returns logits [N, V] for the N sequences whose tokens are all computed now."""
+        input_ids, positions, meta, logits_indices = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampled_seqs = [
+            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        if not logits_indices:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), []
+        index = torch.tensor(logits_indices, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)), sampled_seqs
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        logits, seqs = self.forward_logits(batch)
+        if not seqs:
+            return []
+        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator) for seq in seqs]
+        banned = {
+            i: self.eos_token_ids | frozenset(seq.params.stop_token_ids)
+            for i, seq in enumerate(seqs)
+            if seq.num_output_tokens < seq.params.min_tokens
+        }
+        if banned:
+            suppress_tokens(logits, banned)
+        out = self.sampler(logits, rows)
+        logprobs = out.logprobs or [None] * len(seqs)
+        return [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, logprobs)]
+

@@ -1,0 +1,105 @@
+"""Continuous batching under a token budget.
+
+Each step: running sequences first (decodes and unfinished prefill chunks, in priority order),
+then waiting ones, admitted with whatever their cached prefix saves and prefilled in chunks that
+fit the remaining budget. When the KV pool runs out, the lowest-priority running sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.sort_key()), seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a sequence (finished or aborted) and frees its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.WAITING:
+                break
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+
+        if batch.preempted:
+            return batch
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch

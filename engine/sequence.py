@@ -1,0 +1,89 @@
+"""One generated sequence: its tokens, its KV blocks and how far the model has computed it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import SamplingParams
+from engine.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+
+_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float,
+        seed: int | None,
+        device: torch.device,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.order = next(_counter)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.status = SequenceStatus.WAITING
+        # tokens whose keys and values are in the KV cache
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        # chained hashes of this sequence's full blocks, computed once and kept across preemption
+        self.block_hashes: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.text = ""
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+        self.num_emitted_logprobs = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Smaller runs first: lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.order)
