@@ -1,11 +1,150 @@
-"""Ops used by the engine: Triton kernels on CUDA, the PyTorch references in `reference.py` elsewhere."""
+"""Ops used by the engine: Triton kernels on CUDA, the PyTorch references in `reference.py` elsewhere.
 
-from kernels.reference import (  # noqa: F401
-    add_rms_norm,
-    decode_attention,
-    paged_attention,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-    store_kv_cache,
-)
+Each op takes the Triton path when its tensors are on CUDA and Triton imports; the environment
+variable TOLLGATE_KERNELS=reference forces the references. Triton and the kernel modules are imported
+on the first CUDA call, so CPU-only processes never import Triton.
+
+kernels.paged_attention is the op below, not the module kernels/paged_attention.py (the decode
+kernel): import from that module with `from kernels.paged_attention import decode_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import types
+
+import torch
+
+from kernels import reference as _ref
+
+__all__ = [
+    "add_rms_norm",
+    "decode_attention",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv_cache",
+    "triton_available",
+]
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        # Importing kernels/paged_attention.py binds the module under its name in this package;
+        # keep the op there instead.
+        if name == "paged_attention" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_modules() -> types.SimpleNamespace | None:
+    try:
+        import triton  # noqa: F401
+
+        modules = {
+            key: importlib.import_module(f"kernels.{name}")
+            for key, name in [
+                ("activation", "activation"),
+                ("cache_ops", "cache_ops"),
+                ("norm", "norm"),
+                ("decode", "paged_attention"),
+                ("prefill", "prefill_attention"),
+                ("rotary", "rotary"),
+            ]
+        }
+    except ImportError:
+        return None
+    return types.SimpleNamespace(**modules)
+
+
+def _forced_reference() -> bool:
+    return os.environ.get("TOLLGATE_KERNELS", "").lower() == "reference"
+
+
+def triton_available() -> bool:
+    """True when the ops run Triton kernels for CUDA tensors: a CUDA device is present, Triton imports,
+    and TOLLGATE_KERNELS=reference is not set."""
+    return not _forced_reference() and torch.cuda.is_available() and _triton_modules() is not None
+
+
+def _triton_for(t: torch.Tensor) -> types.SimpleNamespace | None:
+    if not t.is_cuda or _forced_reference():
+        return None
+    return _triton_modules()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if ops := _triton_for(x):
+        return ops.norm.rms_norm(x, weight, eps)
+    return _ref.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    if ops := _triton_for(x):
+        return ops.norm.add_rms_norm(x, residual, weight, eps)
+    return _ref.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if ops := _triton_for(x):
+        return ops.activation.silu_and_mul(x)
+    return _ref.silu_and_mul(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding; returns new (q, k)."""
+    if ops := _triton_for(q):
+        return ops.rotary.rotary_embedding(positions, q, k, cos_sin_cache)
+    return _ref.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place."""
+    if ops := _triton_for(k_cache):
+        ops.cache_ops.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        _ref.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens q [T, H, D] over its whole paged context."""
+    if ops := _triton_for(q):
+        return ops.prefill.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return _ref.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D] attends to all seq_lens[b] cached tokens."""
+    if ops := _triton_for(q):
+        return ops.decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)

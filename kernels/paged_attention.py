@@ -1,0 +1,276 @@
+"""Decode attention over the paged KV cache: split-K flash-decoding, GQA-aware.
+
+One program serves all query heads of one KV head of one sequence over one split of its context,
+so each K/V tile is read once for the whole group. With several splits, a second kernel combines
+the partial results. The split count depends only on shapes (never on seq_lens' values), so the
+launch needs no host synchronisation and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters. num_splits=None picks the split count from the shapes."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+    programs_per_sm: int = 4
+    min_split_tokens: int = 256
+    max_splits: int = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qk_scale,
+    split_len,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    if HEAD_DIM == HEAD_DIM_PAD:
+        q_mask = row_mask[:, None]
+    else:
+        q_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + offs_n
+        valid = tokens < end
+        page = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = tokens % BLOCK_SIZE
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if HEAD_DIM == HEAD_DIM_PAD:
+        o_mask = row_mask[:, None]
+    else:
+        o_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    if SINGLE_SPLIT:
+        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        out_rows = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=o_mask)
+        tl.store(part_m_ptr + part, m, mask=row_mask)
+        tl.store(part_l_ptr + part, l, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    # An empty split has m = -inf; all splits are empty only for a sequence of length 0 (output 0).
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(l * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig) -> int:
+    """Enough splits that batch * num_kv_heads * splits programs fill the SMs, each split at least
+    config.min_split_tokens long."""
+    if config.num_splits is not None:
+        return max(1, config.num_splits)
+    programs = max(1, batch * num_kv_heads)
+    wanted = triton.cdiv(config.programs_per_sm * num_sms, programs)
+    by_length = max(1, max_context // config.min_split_tokens)
+    return max(1, min(wanted, by_length, config.max_splits))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens of the
+    pages in block_tables[b]. Returns [B, H, D]. The longest context is bounded by
+    block_tables.shape[1] * block_size, which sets the split count without reading seq_lens."""
+    cfg = config or DecodeConfig()
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
+        raise ValueError("q [B, H, D] and caches [num_blocks, block_size, G, D] need matching D and H % G == 0")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV caches must be contiguous in the head dimension")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    max_context = block_tables.shape[1] * block_size
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context, _device_sms(q.device), cfg)
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), cfg.block_n) * cfg.block_n
+    num_splits = max(1, triton.cdiv(max_context, split_len))
+    single = num_splits == 1
+    if single:
+        part_acc = part_m = part_l = out
+    else:
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        scale * LOG2E,
+        split_len,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg.block_n,
+        SINGLE_SPLIT=single,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if not single:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

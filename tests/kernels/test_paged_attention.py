@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels.helpers import poisoned_outputs, random_paged_kv, rel_err, tolerance
+
+pytest.importorskip("triton")
+from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention  # noqa: E402
+
+SMALL = DecodeConfig(block_n=16)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_kv_heads", "group", "head_dim", "block_size", "num_splits"),
+    [
+        ([1, 17, 45], 2, 2, 32, 16, None),
+        ([1, 17, 45], 1, 4, 16, 16, 3),
+        ([45, 17, 1], 3, 1, 64, 16, 2),
+        ([33, 9], 2, 4, 16, 8, 5),
+        ([70], 1, 2, 32, 16, 8),
+        ([20, 5, 31], 2, 3, 24, 16, 2),
+    ],
+)
+def test_decode_attention(
+    device: torch.device,
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int | None,
+) -> None:
+    kv = random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, device)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=device)
+    scale = head_dim**-0.5
+    config = DecodeConfig(block_n=16, num_splits=num_splits)
+    with poisoned_outputs():
+        out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale, config=config)
+    ref = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+    assert out.shape == q.shape
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_decode_attention_default_config(device: torch.device) -> None:
+    kv = random_paged_kv([3, 600, 130], 2, 32, 16, torch.float32, device)
+    q = torch.randn(3, 4, 32, device=device)
+    with poisoned_outputs():
+        out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
+    ref = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_choose_num_splits_fills_the_sms() -> None:
+    config = DecodeConfig()
+    assert choose_num_splits(64, 8, 4096, 132, config) * 64 * 8 >= 132
+    assert choose_num_splits(1, 8, 4096, 132, config) * 8 >= 100
+    assert choose_num_splits(1, 8, 64, 132, config) == 1
+    assert choose_num_splits(512, 8, 4096, 132, config) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "max_len"), [(64, 4096), (3, 4096), (1, 1000), (200, 300)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (32, 32)])
+def test_decode_attention_gpu_bf16(batch: int, max_len: int, num_heads: int, num_kv_heads: int) -> None:
+    seq_lens = torch.randint(1, max_len + 1, (batch,)).tolist()
+    seq_lens[0] = max_len
+    kv = random_paged_kv(seq_lens, num_kv_heads, 128, 16, torch.bfloat16, torch.device("cuda"))
+    q = torch.randn(batch, num_heads, 128, device="cuda", dtype=torch.bfloat16)
+    with poisoned_outputs():
+        out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
+    ref = reference.decode_attention(
+        q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.seq_lens, 128**-0.5
+    )
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_attention_gpu_cuda_graph() -> None:
+    """The launch must not synchronise with the host, so that the runner can capture it."""
+    seq_lens = [1000, 17, 4096, 333]
+    kv = random_paged_kv(seq_lens, 8, 128, 16, torch.bfloat16, torch.device("cuda"))
+    q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1)
+    kv.seq_lens.copy_(torch.tensor([999, 16, 2000, 1], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    ref = reference.decode_attention(
+        q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.seq_lens, 0.1
+    )
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
