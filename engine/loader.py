@@ -1,0 +1,178 @@
+"""Finds a model (directory, .gguf file, pkg:<package>, random:<name>) and loads its config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from engine.model_config import ModelConfig, parameter_shapes, token_id_tuple
+from engine.random_models import random_model_config, random_weights
+from engine.tokenizer import Tokenizer
+
+_RANDOM_PREFIX = "random:"
+_PACKAGE_PREFIX = "pkg:"
+_INDEX_FILE = "model.safetensors.index.json"
+# Buffers some checkpoints carry that are not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: Iterator[tuple[str, torch.Tensor]]
+    tokenizer: Tokenizer | None
+    source: str
+
+
+def resolve_model_source(source: str) -> str:
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"model source: expected a non-empty string, got {source!r}")
+    if source.startswith(_RANDOM_PREFIX):
+        random_model_config(source[len(_RANDOM_PREFIX):])
+        return source
+    if source.startswith(_PACKAGE_PREFIX):
+        return _resolve_package(source[len(_PACKAGE_PREFIX):])
+    path = os.path.abspath(os.path.expanduser(source))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path}: model directory has no config.json")
+        return path
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path}: not a model directory or a .gguf file")
+        return path
+    raise ValueError(f"{path}: no such model directory or file")
+
+
+def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
+               tokenizer_source: str | None = None) -> LoadedModel:
+    resolved = resolve_model_source(source)
+    tokenizer_path = resolve_model_source(tokenizer_source) if tokenizer_source else None
+    if resolved.startswith(_RANDOM_PREFIX):
+        config = random_model_config(resolved[len(_RANDOM_PREFIX):])
+        weights = random_weights(config, device, dtype)
+    elif os.path.isdir(resolved):
+        config, weights = _load_directory(resolved, device, dtype)
+    else:
+        from engine.gguf_loader import load_gguf
+
+        config, weights = load_gguf(resolved, device, dtype)
+    if tokenizer_path is None and not resolved.startswith(_RANDOM_PREFIX):
+        tokenizer_path = resolved
+    tokenizer = Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved)
+
+
+def _resolve_package(package: str) -> str:
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"pkg:{package}: cannot find the package: {e}") from e
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ValueError(f"pkg:{package}: no installed package of that name holds a model")
+    folder = locations[0]
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(folder, ggufs[0])
+    if len(ggufs) > 1:
+        raise ValueError(f"pkg:{package}: {folder} holds several .gguf files {ggufs}; name one")
+    for entry in sorted(os.listdir(folder)):
+        if os.path.isfile(os.path.join(folder, entry, "config.json")):
+            return os.path.join(folder, entry)
+    raise ValueError(f"pkg:{package}: {folder} holds no config.json model directory or .gguf file")
+
+
+def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    config = _read_config(path)
+    files = _safetensors_files(path)
+    names_by_file: dict[str, list[str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names = [n for n in f.keys() if not n.endswith(_IGNORED_SUFFIXES)]
+                for name in names:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # safetensors raises its own SafetensorError on a corrupt header
+            raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
+        if config.tie_word_embeddings:
+            names = [n for n in names if n != "lm_head.weight"]
+        names_by_file[file] = names
+    for name, shape in parameter_shapes(config).items():
+        if name not in shapes:
+            raise ValueError(f"{path}: checkpoint lacks tensor {name}")
+        if shapes[name] != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {shapes[name]}, the config expects {shape}")
+    return config, _iter_safetensors(names_by_file, device, dtype)
+
+
+def _iter_safetensors(names_by_file: dict[str, list[str]], device: torch.device | str, dtype: torch.dtype
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    for file, names in names_by_file.items():
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for name in names:
+                    yield name, f.get_tensor(name).to(dtype)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{file}: cannot read tensors: {e}") from e
+
+
+def _read_config(path: str) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: unreadable config: {e}") from e
+    try:
+        config = ModelConfig.from_hf_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+    extra_eos = _generation_eos_ids(path)
+    if extra_eos:
+        merged = config.eos_token_ids + tuple(i for i in extra_eos if i not in config.eos_token_ids)
+        config = dataclasses.replace(config, eos_token_ids=merged)
+    return config
+
+
+def _generation_eos_ids(path: str) -> tuple[int, ...]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return ()
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+        return token_id_tuple(data.get("eos_token_id")) if isinstance(data, dict) else ()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: unreadable generation config: {e}") from e
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: unreadable shard index: {e}") from e
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{missing[0]}: shard named in {index} is missing")
+        return files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights in the model directory")
+    return files

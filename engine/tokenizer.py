@@ -1,0 +1,126 @@
+"""A thin typed wrapper over a transformers tokenizer: encode, decode, specials, chat template."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from engine.model_config import token_id_tuple
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> None:
+        self._hf = hf_tokenizer
+        eos = set(int(i) for i in eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        special = set(hf_tokenizer.all_special_ids)
+        special.update(i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
+        self._special_ids = frozenset(special)
+
+    @classmethod
+    def from_source(cls, path: str) -> Tokenizer | None:
+        """The tokenizer of a model directory or a .gguf file; None for a directory without one."""
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            return cls._from_gguf(path)
+        if os.path.isdir(path):
+            if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+                return None
+            from transformers import AutoTokenizer
+
+            try:
+                hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except Exception as e:
+                raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
+            return cls(hf, _directory_eos_ids(path))
+        raise ValueError(f"{path}: no such model directory or .gguf file for a tokenizer")
+
+    @classmethod
+    def _from_gguf(cls, path: str) -> Tokenizer | None:
+        stat = os.stat(path)
+        return _gguf_tokenizer(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+    @property
+    def hf(self) -> Any:
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a string, got {type(text).__name__}")
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of spaces: it would make the decode of a sequence differ from the sum of its parts.
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=False)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return list(self._hf.convert_ids_to_tokens(list(ids)))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        _check_messages(messages)
+        if not getattr(self._hf, "chat_template", None):
+            raise ValueError("chat_template: this tokenizer has no chat template")
+        try:
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 errors, including the template's own raise_exception(...)
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Tokenizer | None:
+    """Built once per file and process: converting GGUF vocabularies and merges takes seconds."""
+    from transformers import AutoTokenizer
+
+    from engine.gguf_loader import gguf_eos_token_ids, open_gguf
+
+    reader = open_gguf(path)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None
+    try:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                           local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    return Tokenizer(hf, gguf_eos_token_ids(reader))
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"messages[{i}].{key}: expected a string, got {message.get(key)!r}")
+
+
+def _directory_eos_ids(path: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                data = json.load(f)
+            if isinstance(data, dict):
+                ids.extend(token_id_tuple(data.get("eos_token_id")))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{file}: unreadable: {e}") from e
+    return tuple(ids)

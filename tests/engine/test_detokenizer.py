@@ -1,0 +1,116 @@
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from tests.engine.helpers import smollm2_tokenizer
+
+TEXT = "日本語 🙂 café"
+MIXED = "Héllo wörld! 東京タワー 🙂👍🏽 naïve façade — done."
+
+
+def _byte_level_tokenizer() -> Tokenizer:
+    """One token per byte, so most tokens of non-ASCII text are partial UTF-8 characters."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    raw = RawTokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw))
+
+
+def _sentencepiece_tokenizer() -> Tokenizer:
+    """Llama-2 style: '▁' marks spaces, the decoder strips the first one, unknown characters fall back to bytes."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz", "▁c", "▁ca", "▁d", "▁do"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "c"), ("▁c", "a"), ("▁", "d"), ("▁d", "o")]
+    raw = RawTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return Tokenizer(hf)
+
+
+def _stream(tok: Tokenizer, ids: list[int], chunk: int, prompt: list[int] | None = None,
+            skip_special_tokens: bool = True) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tok, prompt or [], skip_special_tokens=skip_special_tokens)
+    pieces = [detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces.append(detok.finish())
+    return pieces, detok
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+@pytest.mark.parametrize("text", [TEXT, MIXED, " do a cat do"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_pieces_add_up_to_the_full_decode(make, text, chunk):
+    tok = make()
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces, detok = _stream(tok, ids, chunk, prompt=tok.encode("Say:", add_special_tokens=False))
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert "".join(pieces) == tok.decode(ids) == detok.text
+    if make is not _sentencepiece_tokenizer:
+        assert detok.text == text
+
+
+def test_byte_level_tokens_are_partial_characters_and_are_held_back():
+    tok = _byte_level_tokenizer()
+    ids = tok.encode("日")
+    assert len(ids) == 3
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add(ids[:1]) == "" and detok.add(ids[1:2]) == ""
+    assert detok.add(ids[2:]) == "日"
+    assert detok.finish() == ""
+
+
+def test_finish_flushes_an_incomplete_character():
+    tok = _byte_level_tokenizer()
+    ids = tok.encode("a日")[:2]
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add(ids[:1]) == "a" and detok.add(ids[1:]) == ""
+    tail = detok.finish()
+    assert detok.text == tok.decode(ids) and tail.endswith("\ufffd")
+
+
+def test_sentencepiece_leading_space_and_byte_fallback():
+    tok = _sentencepiece_tokenizer()
+    ids = tok.encode("ca do é", add_special_tokens=False)
+    assert any(t.startswith("<0x") for t in tok.convert_ids_to_tokens(ids))
+    pieces, detok = _stream(tok, ids, 1)
+    assert detok.text == tok.decode(ids) == "ca do é"
+    assert pieces[0] == "ca" and " do" in pieces
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_flag(skip):
+    tok = smollm2_tokenizer()
+    ids = tok.encode("Hi 🙂", add_special_tokens=False) + [2] + tok.encode(" bye", add_special_tokens=False)
+    pieces, detok = _stream(tok, ids, 1, skip_special_tokens=skip)
+    assert detok.text == tok.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in detok.text) == (not skip)
+
+
+def test_each_step_decodes_a_small_window():
+    tok = _byte_level_tokenizer()
+    ids = tok.encode(MIXED * 20)
+    longest = 0
+    decode = tok.decode
+
+    def counting_decode(token_ids, skip_special_tokens=True):
+        nonlocal longest
+        longest = max(longest, len(token_ids))
+        return decode(token_ids, skip_special_tokens)
+
+    tok.decode = counting_decode  # type: ignore[method-assign]
+    pieces, detok = _stream(tok, ids, 1)
+    assert "".join(pieces) == MIXED * 20
+    assert longest <= 8
