@@ -93,6 +93,12 @@ def create_key(
     return CreatedKey(id=key_id, key=key, prefix=prefix, tenant=tenant)
 
 
+def key_is_active(engine: Engine, key: str) -> bool:
+    with Session(engine) as s:
+        row = s.scalar(select(ApiKey.revoked).where(ApiKey.key_hash == hash_key(key)))
+    return row is not None and not row
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     id: int

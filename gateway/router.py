@@ -55,6 +55,7 @@ RULES: dict[str, list[tuple[re.Pattern[str], float]]] = {
              r"|combinations?|percent(age)?|calculate|compute)\b"), 2.0),
         (_rx(r"(\d\s*[-+*/^×÷=]\s*\(?[\dx]|\b[a-z]\^\d|\bf\([a-z]\)|\d+!|\d+\s*%\s*of\b|\b\d*x\s*[-+=]\s*\d)"), 2.0),
         (_rx(r"\b(what is|what's|find|how many|how much)\b[^.?!]{0,80}\d"), 1.0),
+        (_rx(r"\bhow many \w+ (are there )?in an? \w+"), 2.0),  # unit conversions
         (_rx(r"\b(sum of|product of|average of|total of|mean of)\b"), 1.0),
         (_rx(r"(\$\s?\d[^.?!]{0,80}\d\s?%|\d\s?%[^.?!]{0,80}\$\s?\d)"), 1.5),  # prices with percentages
     ],
@@ -62,26 +63,32 @@ RULES: dict[str, list[tuple[re.Pattern[str], float]]] = {
         (_rx(r"\b(step[- ]by[- ]step|think (it )?(through|carefully)|reason(ing)?|justify|logic(al)?|puzzle|riddle"
              r"|paradox|trade-?offs?|weigh|pros and cons|both (sides|positions)|argue|analy[sz]e|decision"
              r"|hypothes[ie]s|root cause|causal|implications|flaw|fallacy|dilemma|ethical|consequences"
-             r"|recommendation|explain (the|your) (trick|reasoning|answer)|clever way|trace the chain|walk me through)\b"), 2.0),
+             r"|recommendation|explain (the|your) (trick|reasoning|answer)|clever way|trace the chain|walk me through"
+             r"|can we conclude|conclude|telling the truth|lying|rational|what might be going on|argue it out"
+             r"|how (do|would|can) you (tell|know|determine|decide))\b"), 2.0),
         (_rx(r"\b(if all|all \w+ are|taller than|shorter than|older than|before \w+ but after|which (day|order)"
              r"|who (owns|is in)|finishing order|how (can|do|would) (you|i|he|she|we) (measure|relabel|do it|figure out))\b"), 1.5),
         (_rx(r"\b(why might|why do you think|what would happen|should (a|we|i)|decide|compare|versus|vs\.?)\b"), 1.0),
     ],
     "summarization": [
         (_rx(r"\b(summar\w*|tl;?dr|condense|recap|gist|takeaways?|in a nutshell|boil (this|it) down|sum up"
-             r"|shorten|abstract|overview|executive summary|one[- ]line|key points|main points)\b"), 3.0),
+             r"|shorten|abstract|overview|executive summary|one[- ]line|key points|main points|synopsis"
+             r"|make (this|it) shorter|what'?s (it|this) about|what is (it|this) about|cliff ?notes)\b"), 3.0),
         (_rx(r"\b(briefly|in (one|two|three|a few) (sentences?|bullet points?|lines?|words))\b"), 1.0),
     ],
     "classification": [
         (_rx(r"\b(classify|classification|categori[sz]e|category|categories|label|tag|sentiment|spam|toxic"
-             r"|genre|intent|priority|sarcastic|sarcasm|clickbait|emotion|star rating|route this)\b"), 2.5),
+             r"|genre|intent|priority|sarcastic|sarcasm|clickbait|emotion|star rating|route this|buckets?"
+             r"|hate speech|detect (whether|if)|which (department|team|queue)|sort (this|these|each) )\b"), 2.5),
         (_rx(r"\b(positive,? (or|and) negative|positive, negative|fact or (an )?opinion|formal or informal"
              r"|yes or no|one of:|one of these|which (category|genre|type|team)|what language is)\b"), 2.0),
-        (_rx(r"\b(is (this|the following) [\w\s,-]{0,60}\bor\b|determine (whether|if|the)|decide (if|whether)"
+        (_rx(r"\b(is (this|the following) [\w\s,-]{0,60}\bor\b|(determine|decide|tell me) (whether|if)"
+             r"[\w\s,-]{0,60}\bor\b|determine (whether|if|the)|decide (if|whether)|is it (spam|positive|negative)"
              r"|would you classify)\b"), 1.5),
     ],
     "extraction": [
-        (_rx(r"\b(extract\w*|pull (out|the)|parse|list (all|every)|find (and list )?(all|every)|identify"
+        (_rx(r"\b(extract\w*|pull (out|the|every|all)|parse|list (all|every|the)|find (and list )?(all|every)|identify"
+             r"|(give me|what are) the [\w\s',]{1,40} (from|in) (this|the)|out of this"
              r"|get the|which \w+ are mentioned|mentioned|fill in)\b"), 2.5),
         (_rx(r"\b(json( object)?|fields?|schema|key-value|as a table)\b"), 1.5),
         (_rx(r"\b(email addresses|phone numbers?|names|dates|urls|hashtags|amounts|entities|acronyms)\b"), 1.0),

@@ -1,0 +1,69 @@
+"""Builds the FastAPI app: the OpenAI routes over a set of model backends, with the ledger
+started and stopped (flushed) by the app's lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from billing.models import ModelDeployment
+from gateway import errors
+from gateway.backends import LocalEngineBackend, ModelBackend
+from gateway.body_limit import BodySizeLimit
+from gateway.routes import router
+from gateway.service import Gateway
+from gateway.settings import Settings
+from gateway.specs import ModelSpec
+
+log = logging.getLogger("tollgate.gateway")
+
+
+def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
+               own_backends: bool = False) -> FastAPI:
+    """`own_backends`: start LocalEngineBackends at startup and stop them at shutdown."""
+    prices = {s.name: s.pricing.prices() for s in specs}
+    gw = Gateway(db, backends, prices, key_cache_ttl_s=settings.key_cache_ttl_s,
+                 ledger_max_batch=settings.ledger_max_batch)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        register_deployments(db, specs)
+        gw.ledger.start()
+        if own_backends:
+            for backend in backends.values():
+                if isinstance(backend, LocalEngineBackend):
+                    log.info("loading model %s", backend.spec.name)
+                    await backend.start()
+        try:
+            yield
+        finally:
+            if own_backends:
+                for backend in backends.values():
+                    if isinstance(backend, LocalEngineBackend):
+                        backend.stop()
+            gw.ledger.close()
+
+    app = FastAPI(title="Tollgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+    errors.install(app)
+    app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def register_deployments(db: Engine, specs: list[ModelSpec]) -> None:
+    with Session(db) as s, s.begin():
+        for spec in specs:
+            row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == spec.name))
+            if row is None:
+                row = ModelDeployment(name=spec.name)
+                s.add(row)
+            row.spec = spec.model_dump(mode="json")
+            row.input_per_1m = spec.pricing.input_per_1m
+            row.output_per_1m = spec.pricing.output_per_1m
+            row.gpu_hour = spec.pricing.gpu_hour

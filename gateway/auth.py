@@ -1,0 +1,78 @@
+"""Bearer key → tenant. Keys are looked up by their SHA-256 hash and cached for a short TTL."""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, select
+
+from billing.accounts import hash_key
+from billing.models import ApiKey, Tenant
+from gateway.errors import unauthorized
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: int
+    key_prefix: str
+    tenant_id: int
+    tenant: str
+    project: str | None
+    rpm: int | None
+    tpm: int | None
+    key_budget_usd: float | None
+    tenant_budget_usd: float | None
+
+
+class KeyStore:
+    def __init__(self, engine: Engine, ttl_s: float = 1.0, max_entries: int = 10_000) -> None:
+        self._engine = engine
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._lock = threading.Lock()
+        self._query = (
+            select(ApiKey.id, ApiKey.key_hash, ApiKey.prefix, ApiKey.revoked, ApiKey.project, ApiKey.rpm,
+                   ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+        )
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        if not authorization:
+            raise unauthorized("You didn't provide an API key. Provide it as 'Authorization: Bearer YOUR_KEY'.")
+        scheme, _, key = authorization.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise unauthorized("Malformed Authorization header; expected 'Bearer YOUR_KEY'.")
+        digest = hash_key(key)
+        principal = self._lookup(digest)
+        if principal is None:
+            raise unauthorized("Incorrect or revoked API key provided.")
+        return principal
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def _lookup(self, digest: str) -> Principal | None:
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and now - hit[0] < self._ttl_s:
+            return hit[1]
+        principal = self._load(digest)
+        with self._lock:
+            if len(self._cache) >= self._max_entries:
+                self._cache.clear()
+            self._cache[digest] = (now, principal)
+        return principal
+
+    def _load(self, digest: str) -> Principal | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(self._query.where(ApiKey.key_hash == digest)).first()
+        if row is None or not hmac.compare_digest(row[1], digest) or row[3]:
+            return None
+        return Principal(key_id=row[0], key_prefix=row[2], project=row[4], rpm=row[5], tpm=row[6],
+                         key_budget_usd=row[7], tenant_id=row[8], tenant=row[9], tenant_budget_usd=row[10])

@@ -1,0 +1,163 @@
+"""How the HTTP layer reaches a model. It knows only `ModelBackend`; `LocalEngineBackend` runs an
+AsyncEngine in this process (a Ray Serve handle is the other implementation). Chunks are plain
+picklable dataclasses with token strings already decoded, so a remote backend can send them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from engine.config import EngineConfig, SamplingParams
+from engine.outputs import RequestOutput, TokenLogprob
+from gateway.specs import ModelSpec
+
+BackendState = Literal["stopped", "loading", "ready", "failed"]
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    params: SamplingParams
+    messages: list[dict[str, str]] | None = None  # chat: rendered with the model's chat template
+    prompt: str | list[int] | None = None  # completions
+    priority: int = 0
+
+
+@dataclass
+class TokenInfo:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    logprobs: list[TokenInfo] | None = None
+
+
+@dataclass
+class GenerationChunk:
+    request_id: str
+    choices: list[ChoiceDelta]  # only choices with new tokens or a finish reason
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # all choices, so far
+    finished: bool
+    ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    max_model_len: int | None
+    state: BackendState
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def info(self) -> BackendInfo: ...
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+class LocalEngineBackend:
+    def __init__(self, spec: ModelSpec, **engine_overrides: Any) -> None:
+        self.spec = spec
+        self._fields = {**spec.engine, **engine_overrides}
+        self._engine: Any = None
+        self._state: BackendState = "stopped"
+        self._token_cache: dict[int, str] = {}
+
+    async def start(self) -> None:
+        """Load the model (blocking work runs in a thread)."""
+        from engine import AsyncEngine
+
+        self._state = "loading"
+        try:
+            config = EngineConfig.from_kwargs(self.spec.source, **self._fields)
+            self._engine = await asyncio.to_thread(AsyncEngine.from_config, config)
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "ready"
+
+    def stop(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._state = "stopped"
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def info(self) -> BackendInfo:
+        max_len = self._engine.max_model_len if self._engine is not None else self._fields.get("max_model_len")
+        return BackendInfo(self.spec.name, max_len, self._state)
+
+    def stats(self) -> dict[str, Any]:
+        return self._engine.stats() if self._engine is not None else {}
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if self._state != "ready":
+            raise BackendUnavailable(f"model {self.spec.name!r} is {self._state}")
+        engine = self._engine
+        if request.messages is not None:
+            prompt: str | list[int] = engine.tokenizer.apply_chat_template(request.messages)
+        elif request.prompt is not None:
+            prompt = request.prompt
+        else:
+            raise ValueError("prompt: missing")
+        finish_reported: set[int] = set()
+        async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority):
+            yield self._chunk(out, finish_reported)
+
+    def _chunk(self, out: RequestOutput, finish_reported: set[int]) -> GenerationChunk:
+        choices = []
+        for o in out.outputs:
+            new_finish = o.finish_reason is not None and o.index not in finish_reported
+            if o.delta_token_ids or o.delta_text or new_finish:
+                logprobs = None if o.delta_logprobs is None else [self._token_info(lp) for lp in o.delta_logprobs]
+                choices.append(ChoiceDelta(o.index, o.delta_text, len(o.delta_token_ids), o.finish_reason, logprobs))
+                if new_finish:
+                    finish_reported.add(o.index)
+        m = out.metrics
+        prompt_tokens = len(out.prompt_token_ids)
+        ttft = None
+        if m.first_token_time is not None:
+            ttft = max(0.0, m.first_token_time - m.arrival_time)
+        return GenerationChunk(
+            request_id=out.request_id,
+            choices=choices,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=min(m.num_cached_tokens, prompt_tokens),
+            completion_tokens=sum(len(o.token_ids) for o in out.outputs),
+            finished=out.finished,
+            ttft_s=ttft,
+        )
+
+    def _token_info(self, lp: TokenLogprob) -> TokenInfo:
+        return TokenInfo(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
+
+    def _token(self, token_id: int) -> str:
+        text = self._token_cache.get(token_id)
+        if text is None:
+            text = self._engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_cache) < 200_000:
+                self._token_cache[token_id] = text
+        return text

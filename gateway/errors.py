@@ -1,0 +1,114 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    "invalid_request_error", "model_not_found", "model")
+
+
+def context_length_exceeded(message: str) -> APIError:
+    return APIError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
+
+
+def rate_limited(message: str, retry_after: int) -> APIError:
+    return APIError(429, message, "requests", "rate_limit_exceeded", None, {"Retry-After": str(retry_after)})
+
+
+def insufficient_quota(message: str) -> APIError:
+    return APIError(429, message, "insufficient_quota", "insufficient_quota")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body is larger than {limit} bytes.", "invalid_request_error",
+                    "request_too_large")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while the body is read, so that FastAPI passes it through to our handler."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body is larger than {limit} bytes.")
+        self.limit = limit
+
+
+def server_error(message: str = "The server had an error while processing your request.") -> APIError:
+    return APIError(500, message, "server_error", "internal_error")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", "model_unavailable")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
+                               "aren't using your HTTP library correctly.)", None, "invalid_json")
+    param = ".".join(loc) or None
+    msg = first.get("msg", "Invalid request body")
+    if loc:
+        msg = f"{param}: {msg}"
+    return invalid_request(msg, param, "invalid_value" if loc else "invalid_body")
+
+
+def install(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_error(exc).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc, BodyTooLarge):
+            return body_too_large(exc.limit).response()
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), kind, None).response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+
+
+def sse_error(err: APIError) -> bytes:
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"

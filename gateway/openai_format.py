@@ -1,0 +1,121 @@
+"""The OpenAI JSON shapes of chat and text completions, streamed and whole."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backends import ChoiceDelta, TokenInfo
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+@dataclass
+class ChoiceText:
+    """One choice of a whole (non-streamed) response, accumulated from the chunks."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChatFormat:
+    object = "chat.completion"
+    endpoint = "chat.completions"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+
+    def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
+        return [self._chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None, None)
+                for i in range(n)]
+
+    def delta(self, rid: str, created: int, model: str, c: ChoiceDelta) -> dict[str, Any]:
+        lp = self._logprobs(c.logprobs) if self.want_logprobs and c.logprobs is not None else None
+        body = {"content": c.text} if c.text or c.finish_reason is None else {}
+        return self._chunk(rid, created, model, c.index, body, _finish(c.finish_reason), lp)
+
+    def usage_chunk(self, rid: str, created: int, model: str, u: dict[str, Any]) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                "usage": u}
+
+    def response(self, rid: str, created: int, model: str, choices: list[ChoiceText],
+                 u: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                         "logprobs": self._logprobs(c.logprobs) if self.want_logprobs else None,
+                         "finish_reason": _finish(c.finish_reason)} for i, c in enumerate(choices)],
+            "usage": u,
+        }
+
+    @staticmethod
+    def _chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish: str | None,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    @staticmethod
+    def _logprobs(infos: list[TokenInfo]) -> dict[str, Any]:
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(a, b) for a, b in t.top]}
+                            for t in infos], "refusal": None}
+
+
+class CompletionFormat:
+    object = "text_completion"
+    endpoint = "completions"
+    id_prefix = "cmpl-"
+
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+
+    def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, rid: str, created: int, model: str, c: ChoiceDelta) -> dict[str, Any]:
+        lp = self._logprobs(c.logprobs) if self.want_logprobs and c.logprobs is not None else None
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": c.index, "text": c.text, "logprobs": lp,
+                             "finish_reason": _finish(c.finish_reason)}]}
+
+    def usage_chunk(self, rid: str, created: int, model: str, u: dict[str, Any]) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                "usage": u}
+
+    def response(self, rid: str, created: int, model: str, choices: list[ChoiceText],
+                 u: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": "".join(c.text),
+                         "logprobs": self._logprobs(c.logprobs) if self.want_logprobs else None,
+                         "finish_reason": _finish(c.finish_reason)} for i, c in enumerate(choices)],
+            "usage": u,
+        }
+
+    @staticmethod
+    def _logprobs(infos: list[TokenInfo]) -> dict[str, Any]:
+        offsets, pos = [], 0
+        for t in infos:
+            offsets.append(pos)
+            pos += len(t.token)
+        return {"tokens": [t.token for t in infos], "token_logprobs": [t.logprob for t in infos],
+                "top_logprobs": [dict(t.top) for t in infos], "text_offset": offsets}

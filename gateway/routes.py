@@ -1,0 +1,101 @@
+"""The OpenAI-compatible endpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
+from gateway.auth import Principal
+from gateway.backends import GenerationRequest
+from gateway.errors import APIError, invalid_request
+from gateway.metrics import CONTENT_TYPE
+from gateway.openai_format import ChatFormat, CompletionFormat
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.sampling import to_sampling_params
+from gateway.service import Call, Gateway
+from gateway.sse import EventStreamResponse
+
+router = APIRouter()
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def principal(request: Request) -> Principal:
+    # a plain def: FastAPI runs it in the thread pool, so a cache miss's SQL does not block the loop
+    gw: Gateway = request.app.state.gateway
+    try:
+        return gw.keys.authenticate(request.headers.get("authorization"))
+    except APIError as e:
+        gw.rejected(e)
+        raise
+
+
+@router.get("/health")
+async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+    models = {name: b.info().state for name, b in gw.backends.items()}
+    return {"status": "ok" if all(s == "ready" for s in models.values()) else "degraded", "models": models}
+
+
+@router.get("/metrics")
+async def metrics(gw: Gateway = Depends(gateway)) -> Response:
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def list_models(_: Principal = Depends(principal), gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+    data = []
+    for name, backend in gw.backends.items():
+        info = backend.info()
+        data.append({"id": name, "object": "model", "created": 0, "owned_by": "tollgate",
+                     "max_model_len": info.max_model_len, "state": info.state})
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(principal),
+                           gw: Gateway = Depends(gateway)) -> Response:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    fmt = ChatFormat(body.logprobs)
+    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, p: Principal = Depends(principal),
+                      gw: Gateway = Depends(gateway)) -> Response:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise invalid_request("prompt: batches of several prompts are not supported; send one per request",
+                                  "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list) and not prompt or prompt == "":
+        raise invalid_request("prompt: must not be empty", "prompt")
+    if body.echo or body.suffix:
+        raise invalid_request("echo and suffix are not supported", "echo" if body.echo else "suffix")
+    fmt = CompletionFormat(body.logprobs is not None)
+    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt))
+
+
+async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | CompletionRequest,
+               fmt: ChatFormat | CompletionFormat, make_request: Any) -> Response:
+    try:
+        params = to_sampling_params(body)
+        backend = gw.backend_for(body.model)
+        if gw.needs_admission(p):
+            await run_in_threadpool(gw.limiter.admit, p)
+        call: Call = gw.new_call(p, body.model, backend, fmt, body.user, body.tags())
+        first, stream = await gw.begin(call, make_request(call.request_id, params))
+    except APIError as e:
+        gw.rejected(e)
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(gw.streamed(call, first, stream, body.n, include_usage),
+                                   headers={"X-Request-Id": call.request_id})
+    result = await gw.whole(call, first, stream, body.n)
+    return JSONResponse(result, headers={"X-Request-Id": call.request_id})

@@ -1,0 +1,202 @@
+"""The gateway's work for one request after the body is parsed: admission, the model call,
+streaming or whole responses, and the usage event that every admitted request leaves."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from sqlalchemy import Engine
+
+from billing.ledger import Ledger
+from billing.models import UsageEvent
+from billing.pricing import Prices, request_cost
+from engine.errors import PromptTooLongError
+from gateway.auth import KeyStore, Principal
+from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
+from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
+from gateway.limits import Limiter
+from gateway.metrics import Metrics
+from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
+from gateway.sampling import value_error
+
+log = logging.getLogger("tollgate.gateway")
+
+Format = ChatFormat | CompletionFormat
+
+
+@dataclass
+class Call:
+    """One admitted request: who, which model, and what it has used so far."""
+
+    request_id: str
+    principal: Principal
+    model: str
+    backend: ModelBackend
+    fmt: Format
+    end_user: str | None
+    tags: list[str]
+    started: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+
+    def absorb(self, chunk: GenerationChunk) -> None:
+        self.prompt_tokens = chunk.prompt_tokens
+        self.cached_tokens = chunk.cached_tokens
+        self.completion_tokens = chunk.completion_tokens
+        if self.ttft_s is None and chunk.ttft_s is not None:
+            self.ttft_s = chunk.ttft_s
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+class Gateway:
+    def __init__(self, db: Engine, backends: dict[str, ModelBackend], prices: dict[str, Prices], *,
+                 key_cache_ttl_s: float = 1.0, ledger_max_batch: int = 1000) -> None:
+        self.db = db
+        self.backends = backends
+        self.prices = prices
+        self.keys = KeyStore(db, ttl_s=key_cache_ttl_s)
+        self.ledger = Ledger(db, max_batch=ledger_max_batch)
+        self.limiter = Limiter(db, self.ledger)
+        self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
+
+    def _engine_stats(self) -> dict[str, dict[str, Any]]:
+        return {name: b.stats() for name, b in self.backends.items() if hasattr(b, "stats")}
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def backend_for(self, model: str) -> ModelBackend:
+        backend = self.backends.get(model)
+        if backend is None:
+            raise model_not_found(model)
+        state = backend.info().state
+        if state != "ready":
+            raise unavailable(f"The model `{model}` is {state}; try again shortly.")
+        return backend
+
+    def needs_admission(self, p: Principal) -> bool:
+        return any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
+
+    def new_call(self, p: Principal, model: str, backend: ModelBackend, fmt: Format, end_user: str | None,
+                 request_tags: list[str]) -> Call:
+        tags = ([p.project] if p.project else []) + request_tags
+        return Call(f"{fmt.id_prefix}{uuid.uuid4().hex}", p, model, backend, fmt, end_user, tags)
+
+    # ---- the model call ---------------------------------------------------------------------
+
+    async def begin(self, call: Call, request: GenerationRequest) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
+        """Start generating and wait for the first chunk, so that bad input is a 4xx, not a broken stream."""
+        stream = call.backend.generate(request)
+        try:
+            first = await stream.__anext__()
+        except PromptTooLongError as e:
+            raise context_length_exceeded(str(e)) from e
+        except ValueError as e:
+            raise value_error(e) from e
+        except BackendUnavailable as e:
+            raise unavailable(str(e)) from e
+        except StopAsyncIteration as e:
+            self.record(call, "failed", "no output")
+            raise server_error() from e
+        except Exception as e:
+            log.exception("model %s failed before its first output", call.model)
+            self.record(call, "failed", type(e).__name__)
+            raise server_error() from e
+        call.prompt_tokens, call.cached_tokens = first.prompt_tokens, first.cached_tokens
+        return first, stream
+
+    async def whole(self, call: Call, first: GenerationChunk, stream: AsyncIterator[GenerationChunk],
+                    n: int) -> dict[str, Any]:
+        choices = [ChoiceText() for _ in range(n)]
+        status, error = "cancelled", None
+        try:
+            chunk = first
+            while True:
+                call.absorb(chunk)
+                for c in chunk.choices:
+                    choices[c.index].text.append(c.text)
+                    if c.logprobs:
+                        choices[c.index].logprobs.extend(c.logprobs)
+                    if c.finish_reason is not None:
+                        choices[c.index].finish_reason = c.finish_reason
+                if chunk.finished:
+                    break
+                chunk = await stream.__anext__()
+            status = "ok"
+        except Exception as e:
+            status, error = "failed", type(e).__name__
+            log.exception("model %s failed mid-request", call.model)
+            raise server_error() from e
+        finally:
+            await self._finish(call, stream, status, error)
+        return call.fmt.response(call.request_id, call.created, call.model, choices, call.usage())
+
+    async def streamed(self, call: Call, first: GenerationChunk, stream: AsyncIterator[GenerationChunk], n: int,
+                       include_usage: bool) -> AsyncIterator[bytes]:
+        fmt, rid, created, model = call.fmt, call.request_id, call.created, call.model
+        status, error = "cancelled", None
+        try:
+            for obj in fmt.opening(rid, created, model, n):
+                yield sse(obj)
+            chunk = first
+            while True:
+                for c in chunk.choices:
+                    yield sse(fmt.delta(rid, created, model, c))
+                call.absorb(chunk)  # counted once the client has been handed the tokens
+                if chunk.finished:
+                    break
+                chunk = await stream.__anext__()
+            if include_usage:
+                yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
+            status = "ok"
+            yield DONE
+        except Exception as e:
+            status, error = "failed", type(e).__name__
+            log.exception("model %s failed mid-stream", model)
+            yield sse(server_error().body())
+            yield DONE
+        finally:
+            await self._finish(call, stream, status, error)
+
+    async def _finish(self, call: Call, stream: AsyncIterator[GenerationChunk], status: str,
+                      error: str | None) -> None:
+        if status != "ok":
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+                await call.backend.abort(call.request_id)
+        self.record(call, status, error)
+
+    # ---- the ledger -------------------------------------------------------------------------
+
+    def record(self, call: Call, status: str, error: str | None = None) -> None:
+        latency = time.perf_counter() - call.started
+        cost = request_cost(self.prices.get(call.model, Prices()), call.prompt_tokens, call.completion_tokens)
+        p = call.principal
+        self.ledger.record(UsageEvent(
+            request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
+            tags=call.tags, model=call.model, endpoint=call.fmt.endpoint, route=None, status=status,
+            prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
+            cached_tokens=call.cached_tokens, cache_hit=False, latency_s=latency, ttft_s=call.ttft_s,
+            cost_usd=cost, error=error,
+        ))
+        m = self.metrics
+        m.requests.labels(call.model, call.fmt.endpoint, status).inc()
+        m.tokens.labels(call.model, "prompt").inc(call.prompt_tokens)
+        m.tokens.labels(call.model, "completion").inc(call.completion_tokens)
+        m.cost.labels(call.model).inc(cost)
+        m.latency.labels(call.model).observe(latency)
+        if call.ttft_s is not None:
+            m.ttft.labels(call.model).observe(call.ttft_s)
+
+    def rejected(self, err: APIError) -> None:
+        self.metrics.rejected.labels(str(err.status), err.code or "").inc()

@@ -1,0 +1,53 @@
+"""One settings object for the gateway and the `platform` command, read from TOLLGATE_* variables;
+CLI flags override it through `Settings.load(**overrides)`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+_REPO_MODELS_DIR = Path(__file__).resolve().parent.parent / "platform" / "models"
+
+
+_ENV = {
+    "home": "TOLLGATE_HOME",
+    "database_url": "TOLLGATE_DATABASE_URL",
+    "admin_key": "TOLLGATE_ADMIN_KEY",
+    "models_dir": "TOLLGATE_MODELS_DIR",
+    "host": "TOLLGATE_HOST",
+    "port": "TOLLGATE_PORT",
+    "max_body_bytes": "TOLLGATE_MAX_BODY_BYTES",
+    "key_cache_ttl_s": "TOLLGATE_KEY_CACHE_TTL_S",
+    "log_level": "TOLLGATE_LOG_LEVEL",
+}
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(validate_assignment=True)
+
+    home: Path = Field(default_factory=lambda: Path("~/.tollgate").expanduser())
+    database_url: str | None = None  # None: sqlite file under home
+    admin_key: SecretStr | None = None
+    models_dir: Path = _REPO_MODELS_DIR
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    key_cache_ttl_s: float = 1.0  # how long a revoked key may still pass in a process that saw it valid
+    ledger_max_batch: int = 1000
+    log_level: str = "info"
+
+
+    @classmethod
+    def load(cls, env: dict[str, str] | None = None, **overrides: object) -> "Settings":
+        env = os.environ if env is None else env
+        values: dict[str, object] = {name: env[var] for name, var in _ENV.items() if env.get(var)}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.home = Path(settings.home).expanduser()
+        return settings
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'tollgate.db'}"

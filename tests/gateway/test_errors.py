@@ -1,0 +1,108 @@
+"""Every refusal has its status and OpenAI's error shape, and leaves no usage event."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from billing.accounts import create_key, create_tenant, revoke_key
+from billing.models import UsageEvent
+from tests.gateway.conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+
+
+def _events(server, db) -> int:
+    server.gateway.ledger.flush(10)
+    with Session(db) as s:
+        return s.scalar(select(func.count()).select_from(UsageEvent))
+
+
+def _assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.fixture(scope="module")
+def http(server, tenant_key):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tenant_key}"}, timeout=120) as c:
+        yield c
+
+
+def test_bad_requests(http, server, shared_db):
+    before = _events(server, shared_db)
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = http.post(CHAT, content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"})
+    _assert_error(r, 400, "invalid_json")
+    _assert_error(http.post(CHAT, json={"model": MODEL}), 400, param="messages")
+    _assert_error(http.post(CHAT, json={**ok, "max_tokens": "five"}), 400, param="max_tokens")
+    _assert_error(http.post(CHAT, json={**ok, "max_tokens": 0}), 400, param="max_tokens")
+    _assert_error(http.post(CHAT, json={**ok, "temperature": 7}), 400, param="temperature")
+    _assert_error(http.post(CHAT, json={**ok, "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    _assert_error(http.post(CHAT, json={**ok, "messages": []}), 400, param="messages")
+    _assert_error(http.post(CHAT, json={**ok, "n": 100}), 400, param="n")
+    _assert_error(http.post(CHAT, json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
+    _assert_error(http.post(CHAT, json={**ok, "model": "gpt-9"}), 404, "model_not_found", "model")
+    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}), 400, param="prompt")
+    long_prompt = "hello " * 1100
+    _assert_error(http.post(CHAT, json={**ok, "messages": [{"role": "user", "content": long_prompt}]}), 400,
+                  "context_length_exceeded")
+    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "stream": True}), 400,
+                  "context_length_exceeded")
+    huge = {**ok, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    _assert_error(http.post(CHAT, json=huge), 413, "request_too_large")
+
+    def chunked():
+        yield b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 10_000
+        yield b'"}]}'
+
+    _assert_error(http.post(CHAT, content=chunked(), headers={"Content-Type": "application/json"}), 413,
+                  "request_too_large")
+    assert _events(server, shared_db) == before
+
+
+def test_keys_and_quota(server, shared_db):
+    before = _events(server, shared_db)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    _assert_error(httpx.post(server.url + CHAT, json=body), 401, "invalid_api_key")
+    _assert_error(httpx.post(server.url + CHAT, json=body, headers={"Authorization": "Bearer tg-nope"}), 401)
+    _assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer tg-nope"}), 401)
+    create_tenant(shared_db, "broke")
+    revoked = create_key(shared_db, "broke")
+    revoke_key(shared_db, str(revoked.id))
+    _assert_error(httpx.post(server.url + CHAT, json=body, headers={"Authorization": f"Bearer {revoked.key}"}), 401)
+    spent = create_key(shared_db, "broke", budget_usd=0.0)
+    err = _assert_error(httpx.post(server.url + CHAT, json=body, headers={"Authorization": f"Bearer {spent.key}"}),
+                        429, "insufficient_quota")
+    assert err["type"] == "insufficient_quota"
+    limited = create_key(shared_db, "broke", rpm=0)
+    r = httpx.post(server.url + CHAT, json=body, headers={"Authorization": f"Bearer {limited.key}"})
+    _assert_error(r, 429, "rate_limit_exceeded")
+    assert 1 <= int(r.headers["Retry-After"]) <= 60
+    assert _events(server, shared_db) == before
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.dictionaries(
+    st.sampled_from(["model", "messages", "max_tokens", "temperature", "n", "stop", "top_p", "stream", "seed"]),
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5),
+              st.lists(st.integers(), max_size=2), st.just([{"role": "user"}])),
+))
+def test_fuzzed_bodies_get_an_error_shape_never_a_500(http, body):
+    r = http.post(CHAT, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code in (400, 404), r.text
+    _assert_error(r, r.status_code)

@@ -1,0 +1,96 @@
+"""The official openai client against the live gateway over real HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from billing.models import UsageEvent
+from tests.gateway.conftest import MODEL
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server, tenant_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=tenant_key, max_retries=0)
+
+
+def _event(server, shared_db, request_id: str) -> UsageEvent:
+    server.gateway.ledger.flush(10)
+    with Session(shared_db) as s:
+        return s.scalar(select(UsageEvent).where(UsageEvent.request_id == request_id))
+
+
+def test_chat_plain_records_usage_and_cost(client, server, shared_db):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       user="alice", metadata={"tags": "checkout"})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    [choice] = r.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens > 5 and 1 <= r.usage.completion_tokens <= 6
+    ev = _event(server, shared_db, r.id)
+    assert (ev.status, ev.prompt_tokens, ev.completion_tokens) == ("ok", r.usage.prompt_tokens,
+                                                                   r.usage.completion_tokens)
+    assert ev.end_user == "alice" and ev.tags == ["search", "checkout"]
+    expected = (r.usage.prompt_tokens * 0.05 + r.usage.completion_tokens * 0.10) / 1e6
+    assert ev.cost_usd == pytest.approx(expected) and ev.cost_usd > 0
+    assert ev.latency_s > 0 and ev.ttft_s is not None and ev.ttft_s <= ev.latency_s
+
+
+def test_chat_streamed_matches_plain_and_reports_usage(client, server, shared_db):
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert _event(server, shared_db, chunks[0].id).status == "ok"
+
+
+def test_n_greater_than_one(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 4 or r.usage.completion_tokens <= 12
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1] and all(texts.values())
+
+
+def test_completions_with_logprobs_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=2)
+    [choice] = r.choices
+    assert r.object == "text_completion" and choice.text
+    assert len(choice.logprobs.tokens) == r.usage.completion_tokens
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == choice.text
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[","])
+    assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+
+
+def test_models_health_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "models": {MODEL: "ready"}}
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tollgate_requests_total{endpoint="chat.completions",model="smollm2-135m",status="ok"}' in text
+    assert "tollgate_engine_kv_blocks_free" in text
