@@ -236,7 +236,8 @@ class LLMEngine:
             elif seq.num_tokens >= self.max_model_len:
                 finish = "length"
             if finish is not None and seq.detokenizer is not None:
-                seq.text += seq.detokenizer.finish()
+                # text held back for an incomplete character; the character itself never completed
+                seq.text += seq.detokenizer.finish().rstrip("\ufffd")
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, stop_reason
             self.scheduler.finish(seq)

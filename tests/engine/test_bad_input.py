@@ -1,0 +1,99 @@
+"""Bad input raises a ValueError naming the problem, changes nothing, and the engine keeps serving."""
+
+import asyncio
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.errors import PromptTooLongError
+from engine.llm_engine import LLMEngine
+
+
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("max_tokens", dict(max_tokens=0)),
+        ("max_tokens", dict(max_tokens=-3)),
+        ("temperature", dict(temperature=-0.1)),
+        ("top_p", dict(top_p=0.0)),
+        ("top_p", dict(top_p=1.5)),
+        ("top_k", dict(top_k=-2)),
+        ("n", dict(n=0)),
+        ("logprobs", dict(logprobs=99)),
+        ("temperature", dict(temperature=float("nan"))),
+    ],
+)
+def test_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [("block_size", dict(block_size=10)), ("max_num_seqs", dict(max_num_seqs=0)),
+     ("gpu_memory_utilization", dict(gpu_memory_utilization=1.5)), ("dtype", dict(dtype="int3"))],
+)
+def test_engine_config_names_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="x", **kwargs)
+
+
+def test_unknown_config_field():
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM("random:llama-tiny", max_num_seq=3)
+
+
+def test_missing_and_corrupt_model_files(tmp_path):
+    with pytest.raises(ValueError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\x00\x01garbage" * 10)
+    with pytest.raises(ValueError, match="broken.gguf"):
+        LLM(str(corrupt))
+
+
+def test_bad_requests_rejected_while_others_run(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, max_model_len=128, num_kv_blocks=32))
+    good = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("good", [1, 2, 3], good)
+    engine.step()
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("empty", [], good)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("empty-text", "", good)
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        engine.add_request("long", list(range(1, 200)), good)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("bad-id", [1, 10_000_000], good)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("good", [1], good)
+    assert set(engine.requests) == {"good"}
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_async_bad_request_raises_before_first_yield(tiny_llama_dir):
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=tiny_llama_dir, max_model_len=64, num_kv_blocks=32)))
+
+    async def good():
+        outs = [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=8, ignore_eos=True), "ok")]
+        return outs[-1]
+
+    async def bad():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate(list(range(1, 100)), SamplingParams(max_tokens=4), "too-long"):
+                pass
+        return True
+
+    async def main():
+        return await asyncio.gather(good(), bad())
+
+    try:
+        last, rejected = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert rejected and last.finished and len(last.outputs[0].token_ids) == 8
