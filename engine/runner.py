@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
@@ -55,6 +57,10 @@ class ModelRunner:
         ]
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**30)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not config.enforce_eager and kernels.triton_available():
+            self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, device)
+            self.graphs.capture()
 
     @property
     def bytes_per_block(self) -> int:
@@ -148,14 +154,18 @@ class ModelRunner:
     def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the batch; returns logits [N, V] for the N sequences whose tokens are all computed now."""
         input_ids, positions, meta, logits_indices = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if self.graphs is not None and meta.decode_only and len(batch) <= self.graphs.max_batch_size:
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled_seqs = [
             seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
         ]
         if not logits_indices:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), []
-        index = torch.tensor(logits_indices, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index)), sampled_seqs
+        if len(logits_indices) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(logits_indices, device=self.device))
+        return self.model.compute_logits(hidden), sampled_seqs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
