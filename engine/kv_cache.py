@@ -166,18 +166,22 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        if num_full <= seq.num_registered_blocks:
+            return
         self._update_hashes(seq, num_full * bs)
-        for i in range(num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block_id = seq.block_ids[i]
             if self.pool.blocks[block_id].block_hash is not None:
                 continue
             parent_id = seq.block_ids[i - 1] if i else None
             self.pool.register(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent_id)
+        seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         # the tail blocks go first into the free queue, so they are evicted before the shared prefix
         self.pool.release(list(reversed(seq.block_ids)))
         seq.block_ids = []
+        seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         self.pool.evict_all_cached()

@@ -49,6 +49,8 @@ class Sequence:
         self.block_ids: list[int] = []
         # chained hashes of this sequence's full blocks, computed once and kept across preemption
         self.block_hashes: list[int] = []
+        # leading blocks already offered to the prefix cache
+        self.num_registered_blocks = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
