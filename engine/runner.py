@@ -172,7 +172,11 @@ class ModelRunner:
         logits, seqs = self.forward_logits(batch)
         if not seqs:
             return []
-        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator) for seq in seqs]
+        rows = [
+            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+            if _uses_penalties(seq.params) else SamplingRow(seq.params, (), (), seq.generator)
+            for seq in seqs
+        ]
         banned = {
             i: self.eos_token_ids | frozenset(seq.params.stop_token_ids)
             for i, seq in enumerate(seqs)
@@ -184,3 +188,7 @@ class ModelRunner:
         logprobs = out.logprobs or [None] * len(seqs)
         return [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, logprobs)]
 
+
+def _uses_penalties(params) -> bool:
+    """Only penalties read a sequence's earlier tokens; other rows skip building those lists."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)

@@ -75,16 +75,18 @@ def gather_kv(
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [L, H, D] are the last L positions of a causal context of k, v [S, G, D]."""
-    num_q, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
+    num_q = q.shape[0]
+    seq_len = k.shape[0]
     qf = q.float().transpose(0, 1)  # [H, L, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-    mask = k_pos <= q_pos  # [L, S]
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+    kf = k.float().transpose(0, 1)  # [G, S, D]
+    vf = v.float().transpose(0, 1)
+    if num_q == seq_len:  # nothing cached before these tokens: plain causal attention
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos  # [L, S]
+        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -129,10 +131,9 @@ def decode_attention(
     ids = block_tables[:, :num_blocks].long().clamp(min=0)
     k = k_cache[ids].reshape(batch, num_blocks * block_size, *k_cache.shape[2:])[:, :max_len]  # [B, S, G, D]
     v = v_cache[ids].reshape(batch, num_blocks * block_size, *v_cache.shape[2:])[:, :max_len]
-    group = q.shape[1] // k.shape[2]
-    kf = k.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # [B, H, S, D]
-    vf = v.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+    kf = k.float().permute(0, 2, 1, 3)  # [B, G, S, D]
+    vf = v.float().permute(0, 2, 1, 3)
     valid = torch.arange(max_len, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
     mask = valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kf, vf, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2).to(q.dtype)
