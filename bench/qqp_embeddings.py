@@ -1,0 +1,52 @@
+"""Embed every QQP sentence once and keep the vectors in a file under /tmp (CPU is scarce)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = Path(os.environ.get("TOLLGATE_DATA_DIR", ROOT.parent / "shared" / "data"))
+CACHE_DIR = Path(os.environ.get("TOLLGATE_EMB_CACHE", "/tmp/tollgate_emb_cache"))
+
+
+def embed_texts(texts: list[str], tag: str) -> np.ndarray:
+    """Vectors for `texts`, computed once per distinct list and stored as .npy under CACHE_DIR."""
+    from cache.lora import DEFAULT_LORA
+
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    if DEFAULT_LORA.exists():  # vectors depend on the shipped fine-tuning too
+        digest += "-" + hashlib.sha256(DEFAULT_LORA.read_bytes()).hexdigest()[:8]
+    path = CACHE_DIR / f"{tag}-{digest}.npy"
+    if path.exists():
+        return np.load(path)
+    from cache.embedder import Embedder
+
+    model_dir = os.environ.get("TOLLGATE_MINILM_DIR")
+    emb = Embedder(Path(model_dir) if model_dir else None, device=os.environ.get("TOLLGATE_EMB_DEVICE", "cpu"))
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    out = np.zeros((len(texts), emb.dim), dtype=np.float32)
+    step = 4096
+    start = time.time()
+    for i in range(0, len(texts), step):
+        out[i : i + step] = emb.encode(texts[i : i + step], batch_size=128)
+        print(f"{tag}: {i + step}/{len(texts)} in {time.time() - start:.0f}s", flush=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, out)
+    os.replace(tmp, path)
+    return out
+
+
+def qqp_sentences() -> list[str]:
+    pairs = json.loads((DATA / "qqp_pairs.json").read_text())
+    return sorted({p["text_a"] for p in pairs} | {p["text_b"] for p in pairs})
+
+
+if __name__ == "__main__":
+    embed_texts(qqp_sentences(), "qqp")

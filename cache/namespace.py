@@ -1,0 +1,118 @@
+"""Which cache namespace an OpenAI-style chat request belongs to, and whether it may be cached.
+
+The namespace holds everything that changes the answer except the last user turn, which is the
+text the cache compares semantically: tenant, model group, an exact hash of the system prompt and
+earlier turns, and the sampling settings that change the output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Request fields that change what the model answers. Absent fields hash as absent, so a request
+# that sets a field to its default lands in a different namespace than one that omits it: safe.
+ANSWER_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "n",
+    "logprobs",
+    "top_logprobs",
+)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    tenant: str
+    key: str  # hex digest of model group, context and settings; never shared across tenants
+
+
+@dataclass(frozen=True)
+class TenantCacheSettings:
+    enabled: bool = True
+    cache_sampled: bool = False  # opt-in: cache requests with temperature > 0
+
+
+@dataclass(frozen=True)
+class CacheDecision:
+    namespace: Namespace
+    prompt: str  # the last user turn: what lookup() and store() compare
+    cacheable: bool
+    reason: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "\n".join(
+            p.get("text", "") if isinstance(p, Mapping) else str(p) for p in content
+        )
+    return str(content)
+
+
+def _has_non_text_parts(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type", "text") != "text" for p in content
+    )
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def namespace_for_request(
+    tenant: str,
+    model_group: str,
+    request: Mapping[str, Any],
+    settings: TenantCacheSettings = TenantCacheSettings(),
+) -> CacheDecision:
+    """Pure function: the namespace of `request` and whether the cache may serve or store it."""
+    messages = list(request.get("messages") or [])
+    answer_settings = {k: request[k] for k in ANSWER_FIELDS if k in request and request[k] is not None}
+    last = messages[-1] if messages else {}
+    prompt = _content_text(last.get("content")) if isinstance(last, Mapping) else ""
+    context = messages[:-1]
+    digest = hashlib.sha256(
+        _canonical({"model_group": model_group, "context": context, "settings": answer_settings}).encode()
+    ).hexdigest()
+    ns = Namespace(tenant=tenant, key=digest)
+
+    def decide(ok: bool, reason: str = "") -> CacheDecision:
+        return CacheDecision(ns, prompt, ok, reason, answer_settings)
+
+    if not settings.enabled:
+        return decide(False, "cache disabled for tenant")
+    if not messages or not isinstance(last, Mapping) or last.get("role") != "user":
+        return decide(False, "last message is not a user turn")
+    if _has_non_text_parts(last.get("content")):
+        return decide(False, "non-text content")
+    if not prompt.strip():
+        return decide(False, "empty prompt")
+    if int(request.get("n") or 1) != 1:
+        return decide(False, "n > 1")
+    temperature = request.get("temperature")
+    # OpenAI's default temperature is 1.0: an absent temperature is a sampled request.
+    sampled = temperature is None or float(temperature) > 0.0
+    if sampled and not settings.cache_sampled:
+        return decide(False, "temperature > 0 and tenant has not opted in")
+    return decide(True)

@@ -1,0 +1,294 @@
+"""SemanticCache: per-namespace FAISS search, a same-question verifier, TTL, LRU bound, SQLite."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from cache.index import HNSW_THRESHOLD, NamespaceIndex
+from cache.namespace import Namespace
+from cache.store import EntryStore, StoredEntry
+from cache.types import CacheStats, Hit
+from cache.verifier import Verifier
+
+DB_FILENAME = "semantic_cache.sqlite3"
+
+
+class TextEncoder(Protocol):
+    dim: int
+
+    def encode(self, texts: list[str]) -> np.ndarray: ...
+
+
+@dataclass
+class _Entry:
+    tenant: str
+    namespace: str
+    prompt: str
+    answer: str
+    usage: dict[str, Any]
+    created: float
+    last_used: float
+
+
+class SemanticCache:
+    def __init__(
+        self,
+        directory: Path | str | None = None,
+        *,
+        embedder: TextEncoder | None = None,
+        verifier: Verifier | None = None,
+        ttl_s: float = 7 * 24 * 3600,
+        max_entries: int = 200_000,
+        top_k: int = 4,
+        hnsw_threshold: int = HNSW_THRESHOLD,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if embedder is None:
+            from cache.embedder import shared_embedder
+
+            embedder = shared_embedder()
+        self.embedder = embedder
+        self.verifier = verifier or load_default_verifier()
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.top_k = top_k
+        self.hnsw_threshold = hnsw_threshold
+        self._clock = clock
+        self._lock = threading.RLock()
+        db_path = None
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            db_path = Path(directory) / DB_FILENAME
+        self._store = EntryStore(db_path)
+        self._entries: dict[int, _Entry] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest use first
+        self._indexes: dict[tuple[str, str], NamespaceIndex] = {}
+        self._exact: dict[tuple[str, str, str], int] = {}
+        self._stats: dict[str, CacheStats] = {}
+        self._load()
+        self._next_id = self._store.next_id()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, prompt: str, embedding: np.ndarray | None = None) -> Hit | None:
+        q = self._embed(prompt) if embedding is None else embedding
+        now = self._clock()
+        with self._lock:
+            hit = self._best_candidate(namespace, prompt, q, now)
+            stats = self._stats.setdefault(namespace.tenant, CacheStats())
+            stats.lookups += 1
+            if hit is None:
+                self._store.bump_counters(namespace.tenant, 1, 0, 0, 0, 0.0)
+                return None
+            entry = self._entries[hit.entry_id]
+            entry.last_used = now
+            self._lru.move_to_end(hit.entry_id)
+            self._store.record_hit(hit.entry_id, now)
+            pt, ct, dollars = _usage_numbers(entry.usage)
+            stats.hits += 1
+            stats.saved_prompt_tokens += pt
+            stats.saved_completion_tokens += ct
+            stats.saved_dollars += dollars
+            self._store.bump_counters(namespace.tenant, 1, 1, pt, ct, dollars)
+            return hit
+
+    def store(
+        self,
+        namespace: Namespace,
+        prompt: str,
+        answer: str,
+        usage: Mapping[str, Any] | None = None,
+        embedding: np.ndarray | None = None,
+    ) -> int:
+        emb = None if embedding is None else embedding[None, :]
+        return self.store_many(namespace, [prompt], [answer], [usage or {}], emb)[0]
+
+    def store_many(
+        self,
+        namespace: Namespace,
+        prompts: list[str],
+        answers: list[str],
+        usages: list[Mapping[str, Any]],
+        embeddings: np.ndarray | None = None,
+    ) -> list[int]:
+        vecs = self.embedder.encode(list(prompts)) if embeddings is None else embeddings
+        now = self._clock()
+        with self._lock:
+            ids: list[int] = []
+            rows: list[StoredEntry] = []
+            for prompt, answer, usage, vec in zip(prompts, answers, usages, vecs):
+                old = self._exact.get((namespace.tenant, namespace.key, prompt))
+                if old is not None:
+                    self._remove([old])
+                entry_id = self._next_id
+                self._next_id += 1
+                entry = _Entry(namespace.tenant, namespace.key, prompt, answer, dict(usage), now, now)
+                self._add(entry_id, entry, vec)
+                rows.append(StoredEntry(entry_id, entry.tenant, entry.namespace, prompt, vec, answer,
+                                        entry.usage, now, now))
+                ids.append(entry_id)
+            self._store.insert_many(rows)
+            self._evict_over_bound()
+            return ids
+
+    def flush(self, tenant: str) -> int:
+        """Remove every entry of `tenant`; returns how many were removed."""
+        with self._lock:
+            ids = [i for i, e in self._entries.items() if e.tenant == tenant]
+            for i in ids:
+                self._forget(i)
+            for key in [k for k in self._indexes if k[0] == tenant]:
+                del self._indexes[key]
+            self._store.delete_tenant(tenant)
+            return len(ids)
+
+    def purge_expired(self) -> int:
+        with self._lock:
+            cutoff = self._clock() - self.ttl_s
+            ids = [i for i, e in self._entries.items() if e.created < cutoff]
+            self._remove(ids)
+            return len(ids)
+
+    def stats(self, tenant: str | None = None) -> CacheStats:
+        with self._lock:
+            if tenant is not None:
+                s = self._stats.get(tenant, CacheStats())
+                n = sum(1 for e in self._entries.values() if e.tenant == tenant)
+                return CacheStats(s.lookups, s.hits, s.saved_prompt_tokens, s.saved_completion_tokens,
+                                  s.saved_dollars, n)
+            total = CacheStats(entries=len(self._entries))
+            for s in self._stats.values():
+                total.lookups += s.lookups
+                total.hits += s.hits
+                total.saved_prompt_tokens += s.saved_prompt_tokens
+                total.saved_completion_tokens += s.saved_completion_tokens
+                total.saved_dollars += s.saved_dollars
+            return total
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self._store.close()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _embed(self, prompt: str) -> np.ndarray:
+        return self.embedder.encode([prompt])[0]
+
+    def _best_candidate(self, ns: Namespace, prompt: str, q: np.ndarray, now: float) -> Hit | None:
+        index = self._indexes.get((ns.tenant, ns.key))
+        if index is None:
+            return None
+        cands: list[tuple[int, float]] = []
+        expired: list[int] = []
+        for entry_id, cos in index.search(q, self.top_k):
+            entry = self._entries.get(entry_id)
+            # The index is per (tenant, namespace); the check below is defence in depth.
+            if entry is None or entry.tenant != ns.tenant or entry.namespace != ns.key:
+                continue
+            if now - entry.created > self.ttl_s:
+                expired.append(entry_id)
+                continue
+            if cos >= self.verifier.min_cosine:
+                cands.append((entry_id, cos))
+        if expired:
+            self._remove(expired)
+        if not cands:
+            return None
+        texts = [self._entries[i].prompt for i, _ in cands]
+        vecs = np.stack([index.vector(i) for i, _ in cands])
+        probs = self.verifier.score_pairs([prompt] * len(cands), texts, np.repeat(q[None, :], len(cands), 0), vecs)
+        best = int(np.argmax(probs))
+        if probs[best] < self.verifier.threshold:
+            return None
+        entry_id, cos = cands[best]
+        entry = self._entries[entry_id]
+        return Hit(entry_id, entry.answer, dict(entry.usage), cos, float(probs[best]), entry.prompt)
+
+    def _add(self, entry_id: int, entry: _Entry, vec: np.ndarray) -> None:
+        key = (entry.tenant, entry.namespace)
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = NamespaceIndex(vec.shape[-1], self.hnsw_threshold)
+        index.add(np.array([entry_id]), vec[None, :])
+        self._entries[entry_id] = entry
+        self._lru[entry_id] = None
+        self._lru.move_to_end(entry_id)
+        self._exact[(entry.tenant, entry.namespace, entry.prompt)] = entry_id
+
+    def _forget(self, entry_id: int) -> _Entry | None:
+        entry = self._entries.pop(entry_id, None)
+        if entry is None:
+            return None
+        self._lru.pop(entry_id, None)
+        self._exact.pop((entry.tenant, entry.namespace, entry.prompt), None)
+        return entry
+
+    def _remove(self, ids: list[int]) -> None:
+        for entry_id in ids:
+            entry = self._forget(entry_id)
+            if entry is None:
+                continue
+            key = (entry.tenant, entry.namespace)
+            index = self._indexes.get(key)
+            if index is not None:
+                index.remove(entry_id)
+                if len(index) == 0:
+                    del self._indexes[key]
+        self._store.delete(ids)
+
+    def _evict_over_bound(self) -> None:
+        excess = len(self._entries) - self.max_entries
+        if excess > 0:
+            self._remove([i for i, _ in zip(self._lru, range(excess))])
+
+    def _load(self) -> None:
+        cutoff = self._clock() - self.ttl_s
+        expired: list[int] = []
+        groups: dict[tuple[str, str], list[StoredEntry]] = {}
+        for row in self._store.load():  # ordered by last_used: LRU order is rebuilt as we go
+            if row.created < cutoff:
+                expired.append(row.id)
+                continue
+            self._entries[row.id] = _Entry(row.tenant, row.namespace, row.prompt, row.answer, row.usage,
+                                           row.created, row.last_used)
+            self._lru[row.id] = None
+            self._exact[(row.tenant, row.namespace, row.prompt)] = row.id
+            groups.setdefault((row.tenant, row.namespace), []).append(row)
+        for key, rows in groups.items():
+            index = self._indexes[key] = NamespaceIndex(rows[0].embedding.shape[0], self.hnsw_threshold)
+            index.add(np.array([r.id for r in rows]), np.stack([r.embedding for r in rows]))
+        self._store.delete(expired)
+        for tenant, (lookups, hits, pt, ct, dollars) in self._store.counters().items():
+            self._stats[tenant] = CacheStats(lookups, hits, pt, ct, dollars)
+        self._evict_over_bound()
+
+
+def _usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, float]:
+    return (
+        int(usage.get("prompt_tokens", 0) or 0),
+        int(usage.get("completion_tokens", 0) or 0),
+        float(usage.get("cost_usd", 0.0) or 0.0),
+    )
+
+
+def load_default_verifier() -> Any:
+    """The shipped verifier: the cross-encoder when its artifact is there, else the MLP."""
+    from cache.cross_verifier import DEFAULT_CROSS, CrossVerifier
+
+    if DEFAULT_CROSS.exists():
+        return CrossVerifier(DEFAULT_CROSS)
+    return Verifier.load()
+
+
+def default_cache_dir() -> Path:
+    home = os.environ.get("TOLLGATE_HOME")
+    return (Path(home) if home else Path.home() / ".tollgate") / "cache"

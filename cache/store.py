@@ -1,0 +1,135 @@
+"""SQLite persistence of cache entries and counters (stdlib sqlite3, one file per cache dir)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id INTEGER PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    namespace TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    embedding BLOB NOT NULL,
+    answer TEXT NOT NULL,
+    usage TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL,
+    hits INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS entries_tenant ON entries (tenant);
+CREATE TABLE IF NOT EXISTS counters (
+    tenant TEXT PRIMARY KEY,
+    lookups INTEGER NOT NULL DEFAULT 0,
+    hits INTEGER NOT NULL DEFAULT 0,
+    saved_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    saved_completion_tokens INTEGER NOT NULL DEFAULT 0,
+    saved_dollars REAL NOT NULL DEFAULT 0
+);
+"""
+
+
+@dataclass
+class StoredEntry:
+    id: int
+    tenant: str
+    namespace: str
+    prompt: str
+    embedding: np.ndarray
+    answer: str
+    usage: dict[str, Any]
+    created: float
+    last_used: float
+
+
+class EntryStore:
+    """Write-through storage; ':memory:' when the cache has no directory."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._lock = threading.Lock()
+        target = str(path) if path is not None else ":memory:"
+        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def next_id(self) -> int:
+        row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM entries").fetchone()
+        return int(row[0]) + 1
+
+    def insert_many(self, entries: list[StoredEntry]) -> None:
+        rows = [
+            (e.id, e.tenant, e.namespace, e.prompt, e.embedding.astype(np.float32).tobytes(),
+             e.answer, json.dumps(e.usage), e.created, e.last_used)
+            for e in entries
+        ]
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT OR REPLACE INTO entries (id, tenant, namespace, prompt, embedding, answer, usage,"
+                " created, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            self._db.execute("COMMIT")
+
+    def delete(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM entries WHERE id = ?", [(i,) for i in ids])
+            self._db.execute("COMMIT")
+
+    def delete_tenant(self, tenant: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
+
+    def record_hit(self, entry_id: int, now: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE entries SET last_used = ?, hits = hits + 1 WHERE id = ?", (now, entry_id)
+            )
+
+    def bump_counters(
+        self, tenant: str, lookups: int, hits: int, prompt_tokens: int, completion_tokens: int, dollars: float
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO counters (tenant, lookups, hits, saved_prompt_tokens, saved_completion_tokens,"
+                " saved_dollars) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(tenant) DO UPDATE SET"
+                " lookups = lookups + excluded.lookups, hits = hits + excluded.hits,"
+                " saved_prompt_tokens = saved_prompt_tokens + excluded.saved_prompt_tokens,"
+                " saved_completion_tokens = saved_completion_tokens + excluded.saved_completion_tokens,"
+                " saved_dollars = saved_dollars + excluded.saved_dollars",
+                (tenant, lookups, hits, prompt_tokens, completion_tokens, dollars),
+            )
+
+    def counters(self) -> dict[str, tuple[int, int, int, int, float]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT tenant, lookups, hits, saved_prompt_tokens, saved_completion_tokens, saved_dollars"
+                " FROM counters"
+            ).fetchall()
+        return {r[0]: (int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5])) for r in rows}
+
+    def load(self) -> Iterator[StoredEntry]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, tenant, namespace, prompt, embedding, answer, usage, created, last_used"
+                " FROM entries ORDER BY last_used"
+            ).fetchall()
+        for r in rows:
+            yield StoredEntry(
+                int(r[0]), r[1], r[2], r[3], np.frombuffer(r[4], dtype=np.float32).copy(),
+                r[5], json.loads(r[6]), float(r[7]), float(r[8]),
+            )

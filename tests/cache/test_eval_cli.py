@@ -1,0 +1,28 @@
+import json
+
+from cache.eval import main
+
+PAIRS = [
+    {"a": "How can I improve my public speaking skills?", "b": "How do I get better at public speaking?", "duplicate": True},
+    {"a": "What is the best way to learn Spanish quickly?", "b": "How can I learn Spanish fast?", "duplicate": True},
+    {"a": "What is 15% of 200?", "b": "What is 15% of 300?", "duplicate": False},
+    {"a": "What is the capital of France?", "b": "What is the capital of Germany?", "duplicate": False},
+]
+
+
+def test_eval_cli_prints_json(tmp_path, capsys, embedder):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PAIRS) + "\n")
+    assert main(["--pairs", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"pairs", "hit_rate", "false_hit_rate"}
+    assert out["pairs"] == 4
+    assert out["false_hit_rate"] == 0.0
+    assert out["hit_rate"] >= 0.5
+
+
+def test_eval_cli_rejects_bad_lines(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"a": "x"}\n')
+    assert main(["--pairs", str(path)]) == 2
+    assert "needs a, b and duplicate" in capsys.readouterr().err

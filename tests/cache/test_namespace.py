@@ -1,0 +1,59 @@
+from cache.namespace import TenantCacheSettings, namespace_for_request
+
+
+def req(**kw):
+    base = {"model": "auto", "temperature": 0, "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]}
+    base.update(kw)
+    return base
+
+
+def test_greedy_request_is_cacheable_and_prompt_is_last_user_turn():
+    d = namespace_for_request("t1", "small", req())
+    assert d.cacheable
+    assert d.prompt == "What is the capital of France?"
+    assert d.namespace.tenant == "t1"
+
+
+def test_temperature_above_zero_needs_opt_in():
+    assert not namespace_for_request("t1", "small", req(temperature=0.7)).cacheable
+    assert not namespace_for_request("t1", "small", req(temperature=None)).cacheable  # OpenAI default is 1
+    opted = TenantCacheSettings(cache_sampled=True)
+    assert namespace_for_request("t1", "small", req(temperature=0.7), opted).cacheable
+
+
+def test_namespace_separates_everything_that_changes_the_answer():
+    base = namespace_for_request("t1", "small", req()).namespace
+    assert namespace_for_request("t2", "small", req()).namespace != base
+    assert namespace_for_request("t1", "large", req()).namespace != base
+    assert namespace_for_request("t1", "small", req(max_tokens=5)).namespace != base
+    assert namespace_for_request("t1", "small", req(seed=3)).namespace != base
+    other_system = req(messages=[{"role": "system", "content": "You are verbose."},
+                                 {"role": "user", "content": "What is the capital of France?"}])
+    assert namespace_for_request("t1", "small", other_system).namespace != base
+    # Only the last user turn is compared semantically, so it is not part of the namespace;
+    # fields that do not change the answer are not either.
+    other_q = req(messages=[{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": "Capital of Spain?"}])
+    assert namespace_for_request("t1", "small", other_q).namespace == base
+    assert namespace_for_request("t1", "small", req(stream=True, user="u9")).namespace == base
+
+
+def test_earlier_turns_are_hashed_exactly():
+    turns = [{"role": "user", "content": "Pick a city."}, {"role": "assistant", "content": "Paris."},
+             {"role": "user", "content": "How big is it?"}]
+    a = namespace_for_request("t1", "small", req(messages=turns)).namespace
+    turns2 = [dict(m) for m in turns]
+    turns2[1]["content"] = "Rome."
+    assert namespace_for_request("t1", "small", req(messages=turns2)).namespace != a
+
+
+def test_not_cacheable_cases():
+    assert not namespace_for_request("t1", "s", req(n=2)).cacheable
+    assert not namespace_for_request("t1", "s", req(messages=[])).cacheable
+    assert not namespace_for_request("t1", "s", req(messages=[{"role": "assistant", "content": "x"}])).cacheable
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert not namespace_for_request("t1", "s", req(messages=image)).cacheable
+    assert not namespace_for_request("t1", "s", req(), TenantCacheSettings(enabled=False)).cacheable
