@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU suite: GPU tests and the engine/kernel benchmarks in one command of under 10 minutes.
+#   bash bench/gpu_suite.sh        # JSON results to $OUT when set, else ./bench-results/
+# Each step has its own timeout and a share of a 9.5-minute deadline; a failing step is recorded
+# and the suite goes on. A summary table comes last. Seven files in all (the device machine returns
+# few): one JSON per benchmark, summary.json and suite.log (everything printed).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-./bench-results}
+mkdir -p "$RESULTS"
+exec > >(tee "$RESULTS/suite.log") 2>&1
+DEADLINE=$((SECONDS + 570))
+NAMES=() RCS=() TIMES=() PYTEST_LINE=""
+
+step() {  # step NAME CAP_SECONDS COMMAND...
+  local name=$1 cap=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  local limit=$((cap < left ? cap : left))
+  local start=$SECONDS rc
+  if ((limit < 10)); then
+    echo "=== $name: skipped, suite deadline reached" >&2
+    rc=skipped
+  else
+    echo "=== $name (timeout ${limit}s): $*" >&2
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "${TMPDIR:-/tmp}/gpu_suite_step.$$.log"
+    rc=${PIPESTATUS[0]}
+    [[ $name == gpu_tests ]] && PYTEST_LINE=$(tail -n 1 "${TMPDIR:-/tmp}/gpu_suite_step.$$.log")
+    ((rc == 124 || rc == 137)) && echo "=== $name: timed out after ${limit}s" >&2
+  fi
+  NAMES+=("$name") RCS+=("$rc") TIMES+=($((SECONDS - start)))
+}
+
+WORKLOAD=(--min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --seed 0)
+
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
+step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
+  -p no:cacheprovider
+step throughput_1b 110 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 256 "${WORKLOAD[@]}" \
+  --max-model-len 4096 --json "$RESULTS/throughput_1b.json"
+step throughput_1b_vs_hf 150 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 64 "${WORKLOAD[@]}" \
+  --max-model-len 4096 --compare-hf --json "$RESULTS/throughput_1b_vs_hf.json"
+step decode_8b 80 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda --json "$RESULTS/decode_8b.json"
+step kernels 50 "$PY" bench/kernels.py --json "$RESULTS/kernels.json"
+step engine_start_8b 150 "$PY" -m bench.engine_start --model random:llama-8b --device cuda \
+  --json "$RESULTS/engine_start_8b.json"
+
+ROWS=""
+echo
+echo "step                   rc       seconds  result"
+for i in "${!NAMES[@]}"; do
+  name=${NAMES[$i]}
+  summary=$("$PY" - "$RESULTS/$name.json" <<'PYEOF' 2>/dev/null
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit()
+flat = dict(r)
+for k, v in r.items():
+    if isinstance(v, dict):
+        flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
+        "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa")
+fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+print("  ".join(f"{k.split('.')[-1]}={fmt(flat[k])}" for k in keys if k in flat))
+PYEOF
+)
+  [[ $name == gpu_tests ]] && summary=$PYTEST_LINE
+  printf '%-22s %-8s %-8s %s\n' "$name" "${RCS[$i]}" "${TIMES[$i]}" "$summary"
+  ROWS+="{\"step\": \"$name\", \"rc\": \"${RCS[$i]}\", \"seconds\": ${TIMES[$i]}},"
+done
+printf '{"date": "%s", "total_seconds": %d, "pytest": "%s", "steps": [%s]}\n' "$(date -u +%FT%TZ)" "$SECONDS" \
+  "${PYTEST_LINE//\"/}" "${ROWS%,}" > "$RESULTS/summary.json"
+echo "results in $RESULTS (total ${SECONDS}s)"

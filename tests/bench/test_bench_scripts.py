@@ -1,0 +1,63 @@
+"""Smoke tests of the engine benchmarks on CPU with random:llama-tiny (the GPU runs are bench/gpu_suite.sh)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench import decode_latency, engine_start, throughput
+from bench.common import random_workload
+from engine import LLM, SamplingParams
+
+
+def test_workload_is_nano_vllms() -> None:
+    work = random_workload(256, 100, 1024, 100, 1024, seed=0)
+    assert work.num_output_tokens == 133_966  # nano-vllm's bench.py with seed 0; the HF baseline's count
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in work.prompts)
+    assert work.fit_vocab(512).prompts[0] == [t % 512 for t in work.prompts[0]]
+
+
+def test_hf_reference_has_the_engines_weights() -> None:
+    prompt = [5, 77, 300, 12, 9, 411, 3]
+    out = LLM("random:llama-tiny", device="cpu").generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                                   logprobs=5))[0]
+    hf, _ = throughput.load_hf_model("random:llama-tiny", "cpu")
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    top = out.outputs[0].logprobs[0].top
+    assert top[0][0] == int(ref.argmax())
+    for token, logprob in top:
+        assert abs(logprob - float(ref[token])) < 1e-4
+
+
+def test_throughput_with_hf(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    result = throughput.main(["--model", "random:llama-tiny", "--device", "cpu", "--num-seqs", "4", "--min-input", "4",
+                              "--max-input", "20", "--min-output", "2", "--max-output", "9", "--compare-hf",
+                              "--max-num-batched-tokens", "32", "--json", str(path)])
+    assert json.loads(path.read_text()) == result
+    expected = random_workload(4, 4, 20, 2, 9, seed=0).num_output_tokens
+    assert result["tokens"] == expected and result["tok_s"] > 0 and result["hf_tok_s"] > 0
+    assert result["hf_tokens_generated"] >= expected and result["ratio"] > 0
+
+
+def test_decode_latency(tmp_path) -> None:
+    result = decode_latency.main(["--model", "random:llama-tiny", "--device", "cpu", "--prompt-len", "8",
+                                  "--output-len", "6", "--repeats", "1", "--max-model-len", "64"])
+    assert result["decode_tok_s"] > 0 and result["weight_bytes"] >= result["weight_bytes_read_per_token"] > 0
+    assert "mbu" not in result  # no copy bandwidth on CPU
+
+
+def test_engine_start(tmp_path) -> None:
+    path = tmp_path / "start.json"
+    result = engine_start.main(["--model", "random:llama-tiny", "--device", "cpu", "--dir", str(tmp_path / "ckpt"),
+                                "--json", str(path)])
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    assert 0 < result["load_seconds"] < result["total_seconds"] and json.loads(path.read_text()) == result
+
+
+def test_gpu_suite_parses() -> None:
+    subprocess.run(["bash", "-n", str(Path(__file__).parents[2] / "bench" / "gpu_suite.sh")], check=True)
