@@ -38,6 +38,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        self._idle_since: float | None = None  # set while the engine thread waits for work
         self._thread = threading.Thread(target=self._run, name="tollgate-engine", daemon=True)
         self._thread.start()
 
@@ -110,7 +111,10 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         with self._lock:
-            return self.engine.stats()
+            snap = self.engine.stats()
+            if self._idle_since is not None:  # the idle spell going on now counts too
+                snap["idle_seconds"] += time.monotonic() - self._idle_since
+            return snap
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -150,8 +154,10 @@ class AsyncEngine:
             while True:
                 idle_from = time.monotonic()
                 with self._lock:
+                    self._idle_since = idle_from
                     while not self._stopped and not self._inbox and not self.engine.has_unfinished_requests():
                         self._wakeup.wait()
+                    self._idle_since = None
                     metrics.idle_seconds += time.monotonic() - idle_from
                     if self._stopped:
                         return

@@ -1,6 +1,6 @@
 """Continuous batching under a token budget.
 
-Each step: running sequences first (decodes and unfinished prefill chunks, in priority order),
+Each step: running sequences first (decodes, then unfinished prefill chunks, each in priority order),
 then waiting ones, admitted with whatever their cached prefix saves and prefilled in chunks that
 fit the remaining budget. When the KV pool runs out, the lowest-priority running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens."""
@@ -67,22 +67,28 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # decodes first, then unfinished prefill chunks, each in priority order (sorted() is stable)
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.WAITING:
+                continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
+                if victim in batch.seqs:  # scheduled earlier in this step: take it back out
+                    k = batch.seqs.index(victim)
+                    del batch.seqs[k]
+                    budget += batch.num_new_tokens.pop(k)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.WAITING:
-                break
+                continue
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-            i += 1
 
         if batch.preempted:
             return batch
