@@ -40,6 +40,15 @@ class KeyStore:
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
         )
 
+    def cached(self, authorization: str | None) -> Principal | None:
+        """The principal when this header's key is in the cache and fresh; no SQL, never raises."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        hit = self._cache.get(hash_key(authorization[7:].strip()))
+        if hit is None or hit[1] is None or time.monotonic() - hit[0] >= self._ttl_s:
+            return None
+        return hit[1]
+
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
             raise unauthorized("You didn't provide an API key. Provide it as 'Authorization: Bearer YOUR_KEY'.")

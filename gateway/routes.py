@@ -21,15 +21,18 @@ from gateway.sse import EventStreamResponse
 router = APIRouter()
 
 
-def gateway(request: Request) -> Gateway:
+async def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def principal(request: Request) -> Principal:
-    # a plain def: FastAPI runs it in the thread pool, so a cache miss's SQL does not block the loop
+async def principal(request: Request) -> Principal:
     gw: Gateway = request.app.state.gateway
-    try:
-        return gw.keys.authenticate(request.headers.get("authorization"))
+    header = request.headers.get("authorization")
+    found = gw.keys.cached(header)
+    if found is not None:
+        return found
+    try:  # a cache miss reads the database in a worker thread, off the event loop
+        return await run_in_threadpool(gw.keys.authenticate, header)
     except APIError as e:
         gw.rejected(e)
         raise

@@ -170,9 +170,9 @@ class Gateway:
 
     async def _finish(self, call: Call, stream: AsyncIterator[GenerationChunk], status: str,
                       error: str | None) -> None:
-        if status != "ok":
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()  # type: ignore[attr-defined]
+            if status != "ok":
                 await call.backend.abort(call.request_id)
         self.record(call, status, error)
 

@@ -1,0 +1,180 @@
+"""How much latency the gateway adds over calling the engine directly, and the request rate it
+sustains. Each request's engine time is measured inside the backend (first call to last chunk), so
+`added = HTTP round trip - engine time` is exact per request even when the engine's own speed varies.
+
+    .venv/bin/python bench/gateway.py [--requests 200] [--concurrency 8] [--seconds 15] [--max-tokens 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from billing.accounts import create_key, create_tenant  # noqa: E402
+from billing.db import make_engine  # noqa: E402
+from billing.migrate import upgrade  # noqa: E402
+from engine.config import SamplingParams  # noqa: E402
+from gateway.app import create_app  # noqa: E402
+from gateway.backends import BackendInfo, GenerationChunk, GenerationRequest, LocalEngineBackend  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
+from gateway.specs import load_spec  # noqa: E402
+
+SPEC = Path(__file__).resolve().parent.parent / "platform" / "models" / "smollm2-135m.yaml"
+PROMPT = "The capital of France is"
+
+
+class TimedBackend:
+    """Wraps a backend and notes each request's time inside it."""
+
+    def __init__(self, inner: LocalEngineBackend) -> None:
+        self.inner = inner
+        self.engine_s: dict[str, float] = {}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        start = time.perf_counter()
+        async for chunk in self.inner.generate(request):
+            if chunk.finished:
+                self.engine_s[request.request_id] = time.perf_counter() - start
+            yield chunk
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    def info(self) -> BackendInfo:
+        return self.inner.info()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def post(conn: http.client.HTTPConnection, key: str, body: bytes) -> tuple[float, str]:
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {key}",
+                                                   "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    elapsed = time.perf_counter() - start
+    assert resp.status == 200, data
+    return elapsed, resp.getheader("x-request-id") or ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    args = ap.parse_args()
+
+    import uvicorn
+
+    tmp = tempfile.mkdtemp(prefix="tollgate-bench-")
+    url = os.environ.get("TOLLGATE_DATABASE_URL") or f"sqlite:///{tmp}/bench.db"
+    upgrade(url)
+    db = make_engine(url)
+    create_tenant(db, f"bench-{os.getpid()}", budget_usd=1e9)
+    plain_key = create_key(db, f"bench-{os.getpid()}").key
+    limited_key = create_key(db, f"bench-{os.getpid()}", rpm=10**9, tpm=10**12, budget_usd=1e9).key
+
+    spec = load_spec(SPEC)
+    spec = spec.model_copy(update={"engine": {**spec.engine, "max_model_len": 1024}})
+    inner = LocalEngineBackend(spec)
+    t0 = time.perf_counter()
+    asyncio.run(inner.start())
+    print(f"model loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    backend = TimedBackend(inner)
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    async def direct(n: int) -> list[float]:
+        times = []
+        for i in range(n):
+            start = time.perf_counter()
+            async for _ in inner.generate(GenerationRequest(f"direct-{i}", params, prompt=PROMPT)):
+                pass
+            times.append(time.perf_counter() - start)
+        return times
+
+    direct_s = asyncio.run(direct(args.requests))
+
+    app = create_app(Settings(database_url=url, log_level="warning"), db, {spec.name: backend}, [spec])
+    port = 18000 + os.getpid() % 1000
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    body = json.dumps({"model": spec.name, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    results = {}
+    for label, key in (("key without limits", plain_key), ("key with rpm+tpm+budgets (SQL admission)", limited_key)):
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        for _ in range(5):
+            post(conn, key, body)  # warm-up
+        added, total = [], []
+        for _ in range(args.requests):
+            elapsed, rid = post(conn, key, body)
+            total.append(elapsed)
+            added.append(elapsed - backend.engine_s[rid])
+        conn.close()
+        results[label] = (added, total)
+
+    done = 0
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + args.seconds
+
+    def client() -> None:
+        nonlocal done
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        while time.perf_counter() < stop_at:
+            post(conn, limited_key, body)
+            with lock:
+                done += 1
+        conn.close()
+
+    threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rate = done / (time.perf_counter() - start)
+    server.should_exit = True
+    thread.join(30)
+    inner.stop()
+
+    ms = 1000.0
+    print(f"\nmachine: {os.cpu_count()} CPU cores; prompt {PROMPT!r}, max_tokens={args.max_tokens}, "
+          f"{args.requests} sequential requests per row, database {url.split(':')[0]}")
+    print(f"engine called directly (no HTTP):     p50 {statistics.median(direct_s) * ms:8.2f} ms   "
+          f"p99 {pct(direct_s, 0.99) * ms:8.2f} ms")
+    for label, (added, total) in results.items():
+        print(f"through the gateway, {label}:")
+        print(f"  end to end                          p50 {statistics.median(total) * ms:8.2f} ms   "
+              f"p99 {pct(total, 0.99) * ms:8.2f} ms")
+        print(f"  added by the gateway (incl. HTTP)   p50 {statistics.median(added) * ms:8.2f} ms   "
+              f"p99 {pct(added, 0.99) * ms:8.2f} ms")
+    print(f"sustained: {rate:.1f} req/s with {args.concurrency} concurrent clients for {args.seconds:.0f}s "
+          f"(engine-bound: each request runs the model)")
+
+
+if __name__ == "__main__":
+    main()
