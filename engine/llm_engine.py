@@ -203,12 +203,13 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 del self.requests[state.request_id]
                 state.metrics.finished_time = now
                 self.metrics.record_request(state.metrics.arrival_time, state.metrics.first_token_time, now,
                                             max(seq.num_output_tokens for seq in state.seqs))
-            if state.stream or state.finished:
+            if state.stream or finished:
                 outputs.append(self._output(state))
         return outputs
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.batch_inputs import prepare_inputs
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.model_config import ModelConfig
@@ -113,51 +114,16 @@ class ModelRunner:
             )
         return budget // self.bytes_per_block
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        logits_indices: list[int] = []
-        max_blocks = 0
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_ids
-            for pos in range(start, end):
-                slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + num_new)
-            if end == seq.num_tokens:
-                logits_indices.append(query_start[-1] - 1)
-            max_blocks = max(max_blocks, len(table))
-        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs]
-        dev = self.device
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
-            block_tables=tensor(tables, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, logits_indices
-
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the batch; returns logits [N, V] for the N sequences whose tokens are all computed now."""
-        input_ids, positions, meta, logits_indices = self._prepare(batch)
+        inputs = prepare_inputs(batch, self.block_size, self.device)
+        meta, logits_indices = inputs.meta, inputs.logits_indices
         if self.graphs is not None and meta.decode_only and len(batch) <= self.graphs.max_batch_size:
-            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                     meta.block_tables)
         else:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
         sampled_seqs = [
             seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
         ]

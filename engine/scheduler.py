@@ -74,7 +74,8 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_new):
+            has_room = num_new == 1 and seq.num_computed_tokens < len(seq.block_ids) * self.kv.block_size
+            while not has_room and not self.kv.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.batch_inputs import prepare_inputs
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.random_models import random_model_config, random_weights
@@ -52,8 +53,8 @@ def test_bf16_llama_1b_prefill_logits_agree_with_hf():
         engine.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1))
     batch = engine.scheduler.schedule()
     assert batch.num_tokens == sum(map(len, prompts))  # one prefill step over the whole batch
-    input_ids, positions, meta, _ = engine.runner._prepare(batch)
-    hidden = engine.runner.model(input_ids, positions, meta, engine.runner.kv_caches)
+    inputs = prepare_inputs(batch, engine.config.block_size, engine.device)
+    hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.meta, engine.runner.kv_caches)
     ours = engine.runner.model.compute_logits(hidden)
     hf16 = _hf_llama("llama-1b", "cuda", torch.bfloat16)
     hf32 = _hf_llama("llama-1b", "cuda", torch.float32)
