@@ -22,10 +22,13 @@ _EVENT_COLUMNS = [c.name for c in UsageEvent.__table__.columns if c.name != "id"
 
 
 class Ledger:
-    def __init__(self, engine: Engine, *, max_batch: int = 1000, retry_delay_s: float = 0.5,
+    def __init__(self, engine: Engine, *, max_batch: int = 1000, linger_s: float = 0.05, retry_delay_s: float = 0.5,
                  cleanup_every_s: float = 60.0) -> None:
         self._engine = engine
         self._max_batch = max_batch
+        # how long the writer waits for more events before writing a batch; flush() and close() cut it short
+        self._linger_s = linger_s
+        self._flush_wanted = 0
         self._retry_delay_s = retry_delay_s
         self._cleanup_every_s = cleanup_every_s
         self._cond = threading.Condition()
@@ -67,6 +70,8 @@ class Ledger:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._recorded
+            self._flush_wanted = max(self._flush_wanted, target)
+            self._cond.notify_all()
             while self._written < target:
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("ledger writer is not running")
@@ -115,6 +120,10 @@ class Ledger:
                     self._cond.wait()
                 if not self._queue and self._stopping:
                     return
+                linger_until = time.monotonic() + self._linger_s
+                while (not self._stopping and len(self._queue) < self._max_batch
+                       and self._flush_wanted <= self._written and time.monotonic() < linger_until):
+                    self._cond.wait(linger_until - time.monotonic())
                 batch = self._queue[: self._max_batch]
             try:
                 self._write(batch)
