@@ -91,10 +91,20 @@ _shared: Embedder | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_embedder() -> Embedder:
-    """One model per process: it is ~90 MB and slow to load."""
+def shared_embedder(torch_threads: int | None = 1) -> Embedder:
+    """One model per process: it is ~90 MB and slow to load.
+
+    `torch_threads` sets torch's process-wide intra-op threads when the model is first loaded:
+    one query is too small to split, and on a busy 2-core host two threads measured 229 ms p50
+    per query against 16 ms with one (bench/cache.py). Pass None in a process that also runs
+    an engine in-process.
+    """
     global _shared
     with _shared_lock:
         if _shared is None:
+            if torch_threads is not None:
+                import torch
+
+                torch.set_num_threads(torch_threads)
             _shared = Embedder()
         return _shared

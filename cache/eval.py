@@ -30,7 +30,7 @@ def read_pairs(path: Path) -> list[dict[str, Any]]:
 def evaluate(pairs: list[dict[str, Any]], cache: Any | None = None) -> dict[str, Any]:
     from cache.semantic_cache import SemanticCache
 
-    cache = cache or SemanticCache(None)
+    cache = SemanticCache(None) if cache is None else cache
     emb_a = cache.embedder.encode([str(p["a"]) for p in pairs])
     emb_b = cache.embedder.encode([str(p["b"]) for p in pairs])
     dup_hits = dup = false_hits = nondup = 0
