@@ -111,8 +111,10 @@ def main() -> None:
     url = os.environ.get("TOLLGATE_DATABASE_URL") or f"sqlite:///{tmp}/bench.db"
     upgrade(url)
     db = make_engine(url)
+    # the plain key's tenant has no budget either, so its requests skip SQL admission entirely
+    create_tenant(db, f"bench-plain-{os.getpid()}")
     create_tenant(db, f"bench-{os.getpid()}", budget_usd=1e9)
-    plain_key = create_key(db, f"bench-{os.getpid()}").key
+    plain_key = create_key(db, f"bench-plain-{os.getpid()}").key
     limited_key = create_key(db, f"bench-{os.getpid()}", rpm=10**9, tpm=10**12, budget_usd=1e9).key
 
     spec = load_spec(SPEC)
