@@ -91,12 +91,45 @@ def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Tokenizer | None:
     reader = open_gguf(path)
     if "tokenizer.ggml.tokens" not in reader.fields:
         return None
-    try:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                           local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    saved = _converted_tokenizer_dir(path, mtime_ns, size)
+    if os.path.isfile(os.path.join(saved, "tokenizer.json")):
+        hf = AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    else:
+        try:
+            hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+        _save_converted(hf, saved)
     return Tokenizer(hf, gguf_eos_token_ids(reader))
+
+
+def _converted_tokenizer_dir(path: str, mtime_ns: int, size: int) -> str:
+    """Where the tokenizer converted from a GGUF file is kept, so later loads skip the conversion."""
+    import hashlib
+
+    import transformers
+
+    root = os.environ.get("TOLLGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tollgate")
+    key = hashlib.sha256(f"{path}|{mtime_ns}|{size}|{transformers.__version__}".encode()).hexdigest()[:24]
+    return os.path.join(root, "tokenizers", key)
+
+
+def _save_converted(hf: Any, target: str) -> None:
+    import shutil
+    import tempfile
+
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=parent)
+    except OSError:
+        return  # a read-only cache folder only costs speed
+    try:
+        hf.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a reader sees the whole folder or none
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _check_messages(messages: Any) -> None:

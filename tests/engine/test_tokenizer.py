@@ -66,3 +66,23 @@ def test_missing_tokenizer_and_missing_template(tmp_path):
     with pytest.raises(ValueError, match="chat_template"):
         bare.apply_chat_template([{"role": "user", "content": "a"}])
     assert bare.eos_token_ids == frozenset() and bare.bos_token_id is None
+
+
+def test_gguf_tokenizer_conversion_is_kept_on_disk(tmp_path, monkeypatch):
+    from engine import tokenizer as tokenizer_module
+    from tests.engine.helpers import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    monkeypatch.setenv("TOLLGATE_CACHE_DIR", str(tmp_path))
+    tokenizer_module._gguf_tokenizer.cache_clear()
+    converted = Tokenizer.from_source(path)
+    saved = list((tmp_path / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").is_file()
+    tokenizer_module._gguf_tokenizer.cache_clear()
+    reloaded = Tokenizer.from_source(path)  # from the saved folder this time
+    text = "日本語 🙂 café — the quick brown fox"
+    messages = [{"role": "user", "content": "Hi"}]
+    assert reloaded.encode(text) == converted.encode(text)
+    assert reloaded.apply_chat_template(messages) == converted.apply_chat_template(messages)
+    assert reloaded.eos_token_ids == converted.eos_token_ids and reloaded.bos_token_id == converted.bos_token_id
+    tokenizer_module._gguf_tokenizer.cache_clear()
