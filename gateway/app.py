@@ -3,9 +3,11 @@ started and stopped (flushed) by the app's lifespan."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import Engine, select
@@ -13,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from billing.models import ModelDeployment
 from gateway import errors
+from gateway.answer_reuse import AnswerReuse
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
 from gateway.routes import router
@@ -27,13 +30,16 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                own_backends: bool = False) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup and stop them at shutdown."""
     prices = {s.name: s.pricing.prices() for s in specs}
+    reuse = AnswerReuse(None, [s.model_dump(mode="json") for s in specs])
     gw = Gateway(db, backends, prices, key_cache_ttl_s=settings.key_cache_ttl_s,
-                 ledger_max_batch=settings.ledger_max_batch)
+                 ledger_max_batch=settings.ledger_max_batch, reuse=reuse)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         register_deployments(db, specs)
         gw.ledger.start()
+        if settings.semantic_cache:
+            reuse.cache = await asyncio.to_thread(open_semantic_cache, settings)
         if own_backends:
             for backend in backends.values():
                 if isinstance(backend, LocalEngineBackend):
@@ -47,6 +53,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                     if isinstance(backend, LocalEngineBackend):
                         backend.stop()
             gw.ledger.close()
+            if reuse.cache is not None:
+                reuse.cache.close()
 
     app = FastAPI(title="Tollgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
@@ -67,3 +75,17 @@ def register_deployments(db: Engine, specs: list[ModelSpec]) -> None:
             row.input_per_1m = spec.pricing.input_per_1m
             row.output_per_1m = spec.pricing.output_per_1m
             row.gpu_hour = spec.pricing.gpu_hour
+
+
+def open_semantic_cache(settings: Settings) -> Any:
+    """The semantic cache under home/cache, or None when it cannot start: then every request goes to a model."""
+    try:
+        from cache.embedder import shared_embedder
+        from cache.semantic_cache import SemanticCache
+
+        # torch_threads=None: leave the process's thread count to the engines running beside the cache
+        return SemanticCache(settings.home / "cache", embedder=shared_embedder(torch_threads=None),
+                             ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries)
+    except Exception:
+        log.exception("semantic cache unavailable; serving without it")
+        return None

@@ -8,12 +8,14 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
+from gateway.answer_reuse import AUTO_MODEL, CacheOutcome, hit_stream
 from gateway.auth import Principal
 from gateway.backends import GenerationRequest
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.router import RouteDecision
 from gateway.sampling import to_sampling_params
 from gateway.service import Call, Gateway
 from gateway.sse import EventStreamResponse
@@ -64,7 +66,13 @@ async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(p
                            gw: Gateway = Depends(gateway)) -> Response:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     fmt = ChatFormat(body.logprobs)
-    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages))
+    model, route = body.model, None
+    if model == AUTO_MODEL:
+        decision = gw.reuse.route(messages, body.max_completion_tokens or body.max_tokens)
+        model, route = decision.model, decision
+    cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
+    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages),
+                      model=model, route=route, cache_view=cache_view)
 
 
 @router.post("/v1/completions")
@@ -85,20 +93,39 @@ async def completions(body: CompletionRequest, p: Principal = Depends(principal)
 
 
 async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | CompletionRequest,
-               fmt: ChatFormat | CompletionFormat, make_request: Any) -> Response:
+               fmt: ChatFormat | CompletionFormat, make_request: Any, *, model: str | None = None,
+               route: RouteDecision | None = None, cache_view: dict[str, Any] | None = None) -> Response:
+    """`model`: the deployed model to call (the router's choice for "auto"); `cache_view`: the request as
+    the semantic cache sees it (chat only)."""
+    model = model or body.model
+    headers = {}
     try:
         params = to_sampling_params(body)
-        backend = gw.backend_for(body.model)
+        backend = gw.backend_for(model)
         if gw.needs_admission(p):
             await run_in_threadpool(gw.limiter.admit, p)
-        call: Call = gw.new_call(p, body.model, backend, fmt, body.user, body.tags())
-        first, stream = await gw.begin(call, make_request(call.request_id, params))
+        call: Call = gw.new_call(p, model, backend, fmt, body.user, body.tags())
+        if route is not None:
+            call.route = route.task
+            headers["x-tollgate-route"] = route.header
+        outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(p.tenant_id, model, cache_view)
+        if outcome.decision is not None:
+            headers["x-tollgate-cache"] = outcome.header
+        if outcome.hit is not None:
+            call.cache_hit = True
+            headers["x-tollgate-cache-similarity"] = f"{outcome.hit.similarity:.4f}"
+            stream = hit_stream(call.request_id, outcome.hit)
+            first = await stream.__anext__()
+        else:
+            if outcome.decision is not None and outcome.decision.cacheable:
+                call.cache_decision = outcome.decision
+            first, stream = await gw.begin(call, make_request(call.request_id, params))
     except APIError as e:
         gw.rejected(e)
         raise
+    headers["X-Request-Id"] = call.request_id
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(gw.streamed(call, first, stream, body.n, include_usage),
-                                   headers={"X-Request-Id": call.request_id})
+        return EventStreamResponse(gw.streamed(call, first, stream, body.n, include_usage), headers=headers)
     result = await gw.whole(call, first, stream, body.n)
-    return JSONResponse(result, headers={"X-Request-Id": call.request_id})
+    return JSONResponse(result, headers=headers)

@@ -16,7 +16,9 @@ from sqlalchemy import Engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
 from billing.pricing import Prices, request_cost
+from cache.namespace import CacheDecision
 from engine.errors import PromptTooLongError
+from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
 from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
@@ -47,6 +49,11 @@ class Call:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
+    route: str | None = None  # the router's task, when the client asked for model "auto"
+    cache_hit: bool = False
+    # set when the answer may be stored in the semantic cache once it completes
+    cache_decision: CacheDecision | None = None
+    answer_parts: list[str] = field(default_factory=list)
 
     def absorb(self, chunk: GenerationChunk) -> None:
         self.prompt_tokens = chunk.prompt_tokens
@@ -54,6 +61,8 @@ class Call:
         self.completion_tokens = chunk.completion_tokens
         if self.ttft_s is None and chunk.ttft_s is not None:
             self.ttft_s = chunk.ttft_s
+        if self.cache_decision is not None:
+            self.answer_parts.extend(c.text for c in chunk.choices if c.index == 0)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -61,10 +70,12 @@ class Call:
 
 class Gateway:
     def __init__(self, db: Engine, backends: dict[str, ModelBackend], prices: dict[str, Prices], *,
-                 key_cache_ttl_s: float = 1.0, ledger_max_batch: int = 1000) -> None:
+                 key_cache_ttl_s: float = 1.0, ledger_max_batch: int = 1000,
+                 reuse: AnswerReuse | None = None) -> None:
         self.db = db
         self.backends = backends
         self.prices = prices
+        self.reuse = reuse or AnswerReuse(None, [])
         self.keys = KeyStore(db, ttl_s=key_cache_ttl_s)
         self.ledger = Ledger(db, max_batch=ledger_max_batch)
         self.limiter = Limiter(db, self.ledger)
@@ -172,21 +183,29 @@ class Gateway:
                       error: str | None) -> None:
         with anyio.CancelScope(shield=True):
             await stream.aclose()  # type: ignore[attr-defined]
-            if status != "ok":
+            if status != "ok" and not call.cache_hit:
                 await call.backend.abort(call.request_id)
-        self.record(call, status, error)
+            self.record(call, status, error)
+            if status == "ok" and call.cache_decision is not None and not call.cache_hit:
+                await self.reuse.store(call.cache_decision, "".join(call.answer_parts), {
+                    "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
+                    "cost_usd": self._list_price(call)})
 
     # ---- the ledger -------------------------------------------------------------------------
 
+    def _list_price(self, call: Call) -> float:
+        return request_cost(self.prices.get(call.model, Prices()), call.prompt_tokens, call.completion_tokens)
+
     def record(self, call: Call, status: str, error: str | None = None) -> None:
         latency = time.perf_counter() - call.started
-        cost = request_cost(self.prices.get(call.model, Prices()), call.prompt_tokens, call.completion_tokens)
+        # a cache hit is billed at the cache price (0); its tokens are what it saved at the list price
+        cost = 0.0 if call.cache_hit else self._list_price(call)
         p = call.principal
         self.ledger.record(UsageEvent(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
-            tags=call.tags, model=call.model, endpoint=call.fmt.endpoint, route=None, status=status,
+            tags=call.tags, model=call.model, endpoint=call.fmt.endpoint, route=call.route, status=status,
             prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
-            cached_tokens=call.cached_tokens, cache_hit=False, latency_s=latency, ttft_s=call.ttft_s,
+            cached_tokens=call.cached_tokens, cache_hit=call.cache_hit, latency_s=latency, ttft_s=call.ttft_s,
             cost_usd=cost, error=error,
         ))
         m = self.metrics

@@ -21,6 +21,9 @@ _ENV = {
     "max_body_bytes": "TOLLGATE_MAX_BODY_BYTES",
     "key_cache_ttl_s": "TOLLGATE_KEY_CACHE_TTL_S",
     "log_level": "TOLLGATE_LOG_LEVEL",
+    "semantic_cache": "TOLLGATE_SEMANTIC_CACHE",
+    "cache_ttl_s": "TOLLGATE_CACHE_TTL_S",
+    "cache_max_entries": "TOLLGATE_CACHE_MAX_ENTRIES",
 }
 
 
@@ -37,6 +40,9 @@ class Settings(BaseModel):
     key_cache_ttl_s: float = 1.0  # how long a revoked key may still pass in a process that saw it valid
     ledger_max_batch: int = 1000
     log_level: str = "info"
+    semantic_cache: bool = True  # answer repeated questions from the cache (kept under home/cache)
+    cache_ttl_s: float = 7 * 24 * 3600
+    cache_max_entries: int = 200_000
 
 
     @classmethod

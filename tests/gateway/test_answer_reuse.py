@@ -1,0 +1,102 @@
+"""The semantic cache and the task router on the live gateway: hits come back in the live shapes,
+never cross tenants, are billed at the cache price, and `model: "auto"` is routed and recorded."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from billing.accounts import create_key, create_tenant
+from billing.db import make_engine
+from billing.models import UsageEvent
+from tests.gateway.conftest import MODEL, make_server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reuse_server(tmp_path_factory, backend, spec):
+    from tests.billing.dbutil import fresh_database
+
+    home = tmp_path_factory.mktemp("home")
+    with fresh_database(tmp_path_factory.mktemp("db")) as url:
+        live = make_server(url, backend, spec, semantic_cache=True, home=home)
+        db = make_engine(url)
+        create_tenant(db, "alpha")
+        create_tenant(db, "beta")
+        keys = {"alpha": create_key(db, "alpha").key, "beta": create_key(db, "beta").key}
+        yield live, db, keys
+        live.stop()
+        db.dispose()
+
+
+def chat(live, key: str, **body) -> httpx.Response:
+    payload = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0, **body}
+    return httpx.post(f"{live.url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"},
+                      timeout=120)
+
+
+def events(live, db) -> list[UsageEvent]:
+    live.gateway.ledger.flush(10)
+    with Session(db) as s:
+        return list(s.scalars(select(UsageEvent).order_by(UsageEvent.id)))
+
+
+def test_repeat_is_served_from_cache_within_one_tenant_only(reuse_server):
+    live, db, keys = reuse_server
+    first = chat(live, keys["alpha"])
+    assert first.status_code == 200 and first.headers["x-tollgate-cache"] == "miss"
+    again = chat(live, keys["alpha"])
+    assert again.status_code == 200 and again.headers["x-tollgate-cache"] == "hit"
+    assert float(again.headers["x-tollgate-cache-similarity"]) > 0.99
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert again.json()["usage"] == first.json()["usage"]
+    other = chat(live, keys["beta"])  # the same question from another tenant never sees alpha's entry
+    assert other.status_code == 200 and other.headers["x-tollgate-cache"] == "miss"
+
+    by_id = {e.request_id: e for e in events(live, db)}
+    live_event, hit_event = by_id[first.json()["id"]], by_id[again.json()["id"]]
+    assert not live_event.cache_hit and live_event.cost_usd > 0
+    assert hit_event.cache_hit and hit_event.cost_usd == 0.0 and hit_event.status == "ok"
+    # the hit's tokens are the ones it saved
+    assert (hit_event.prompt_tokens, hit_event.completion_tokens) == (live_event.prompt_tokens,
+                                                                      live_event.completion_tokens)
+
+
+def test_hit_streams_like_a_live_answer(reuse_server):
+    live, _, keys = reuse_server
+    live_text = chat(live, keys["alpha"]).json()["choices"][0]["message"]["content"]
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {keys['alpha']}"},
+                      json={"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["x-tollgate-cache"] == "hit"
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == live_text
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_sampled_requests_are_not_cached(reuse_server):
+    live, _, keys = reuse_server
+    r = chat(live, keys["alpha"], temperature=0.7, seed=1)
+    assert r.status_code == 200 and r.headers["x-tollgate-cache"] == "skip"
+
+
+def test_auto_is_routed_and_recorded(reuse_server):
+    live, db, keys = reuse_server
+    r = chat(live, keys["beta"], model="auto",
+             messages=[{"role": "user", "content": "Summarize: the meeting moved to Tuesday at noon."}])
+    assert r.status_code == 200
+    assert r.json()["model"] == MODEL
+    route = r.headers["x-tollgate-route"]
+    assert route.startswith("summarization") and f"model={MODEL}" in route
+    event = {e.request_id: e for e in events(live, db)}[r.json()["id"]]
+    assert event.route == "summarization" and event.model == MODEL
