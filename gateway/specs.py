@@ -1,14 +1,19 @@
-"""Model specs: the YAML files under platform/models/ (see DESIGN.md)."""
+"""Model specs: the YAML files under platform/models/ (see DESIGN.md). Every validation error names
+its field path (`autoscaling.max_replicas: ...`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from billing.pricing import Prices
+from engine.config import EngineConfig
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
 
 
 class Pricing(BaseModel):
@@ -22,25 +27,104 @@ class Pricing(BaseModel):
         return Prices(self.input_per_1m, self.output_per_1m, self.gpu_hour)
 
 
+class Resources(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float = Field(0, ge=0)  # 0: a CPU replica
+    num_cpus: float = Field(1, ge=0)
+    memory_gib: float | None = Field(None, gt=0)
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve's autoscaling_config fields that a spec may set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(16, gt=0)
+    max_ongoing_requests: int = Field(64, ge=1)  # per replica, beyond it requests queue in the router
+    upscale_delay_s: float = Field(0.0, ge=0)
+    downscale_delay_s: float = Field(300.0, ge=0)
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Autoscaling":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas: must be >= min_replicas ({self.min_replicas}), got {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas: must lie between min_replicas and max_replicas")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        out = self.model_dump(exclude={"max_ongoing_requests"}, exclude_none=True)
+        return out
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: str = Field(min_length=1)
     size: Literal["small", "large"] = "small"
     tasks: list[str] = Field(default_factory=lambda: ["chat"])
     engine: dict[str, Any] = Field(default_factory=dict)
-    resources: dict[str, Any] = Field(default_factory=dict)
-    autoscaling: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pricing: Pricing = Field(default_factory=Pricing)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - _ENGINE_FIELDS)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not an engine setting (known: {sorted(_ENGINE_FIELDS)})")
+        return v
+
+
+class SpecError(ValueError):
+    """All problems of one spec, each as `field.path: message`."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        super().__init__(f"{source}: invalid model spec\n" + "\n".join(f"  {p}" for p in problems))
+        self.problems = problems
+
+
+def _problems(e: ValidationError) -> list[str]:
+    out = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid"))
+        msg = msg.removeprefix("Value error, ")
+        head, _, rest = msg.partition(": ")
+        if rest and head.isidentifier() and " " not in head:  # "max_replicas: ..." raised inside a model
+            path = f"{path}.{head}" if path and not path.endswith(head) else (path or head)
+            msg = rest
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{path}: {msg}" if path else msg)
+    return out
+
+
+def parse_spec(data: Any, source: str = "spec") -> ModelSpec:
+    if not isinstance(data, dict):
+        raise SpecError(source, ["a model spec must be a YAML mapping"])
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(source, _problems(e)) from None
 
 
 def load_spec(path: str | Path) -> ModelSpec:
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a model spec must be a YAML mapping")
-    return ModelSpec.model_validate(data)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise SpecError(str(path), [f"not valid YAML: {e}"]) from None
+    return parse_spec(data, str(path))
 
 
 def load_specs(directory: str | Path) -> list[ModelSpec]:
