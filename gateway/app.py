@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from billing.models import ModelDeployment
 from gateway import errors
+from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
@@ -58,8 +59,10 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
 
     app = FastAPI(title="Tollgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    app.state.admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     errors.install(app)
     app.include_router(router)
+    app.include_router(admin_router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 

@@ -16,6 +16,7 @@ from billing.models import UsageEvent
 from tests.gateway.conftest import MODEL, make_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ADMIN_KEY = "tg-admin-test-secret"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def reuse_server(tmp_path_factory, backend, spec):
 
     home = tmp_path_factory.mktemp("home")
     with fresh_database(tmp_path_factory.mktemp("db")) as url:
-        live = make_server(url, backend, spec, semantic_cache=True, home=home)
+        live = make_server(url, backend, spec, semantic_cache=True, home=home, admin_key=ADMIN_KEY)
         db = make_engine(url)
         create_tenant(db, "alpha")
         create_tenant(db, "beta")
@@ -100,3 +101,24 @@ def test_auto_is_routed_and_recorded(reuse_server):
     assert route.startswith("summarization") and f"model={MODEL}" in route
     event = {e.request_id: e for e in events(live, db)}[r.json()["id"]]
     assert event.route == "summarization" and event.model == MODEL
+
+
+def test_admin_flush_removes_one_tenants_entries(reuse_server):
+    live, _, keys = reuse_server
+    question = [{"role": "user", "content": "Name one primary colour."}]
+    for tenant in ("alpha", "beta"):
+        assert chat(live, keys[tenant], messages=question).headers["x-tollgate-cache"] == "miss"
+        assert chat(live, keys[tenant], messages=question).headers["x-tollgate-cache"] == "hit"
+
+    def flush(key: str | None, tenant: str = "alpha") -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{live.url}/admin/cache/flush", json={"tenant": tenant}, headers=headers, timeout=30)
+
+    assert flush(None).status_code == 401
+    refused = flush(keys["alpha"])  # a tenant's own API key is not an admin key
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_required"
+    assert flush(ADMIN_KEY, "nobody").status_code == 400
+    done = flush(ADMIN_KEY)
+    assert done.status_code == 200 and done.json()["flushed"] >= 1
+    assert chat(live, keys["alpha"], messages=question).headers["x-tollgate-cache"] == "miss"
+    assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "hit"

@@ -1,0 +1,51 @@
+"""Operator endpoints, behind the admin key (TOLLGATE_ADMIN_KEY); tenants' API keys are refused."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from billing.models import Tenant
+from gateway.errors import APIError, invalid_request
+from gateway.service import Gateway
+
+admin_router = APIRouter(prefix="/admin")
+
+
+async def require_admin(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    expected = request.app.state.admin_key
+    header = request.headers.get("authorization") or ""
+    given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+    if not expected or not given or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise APIError(403 if given else 401, "This endpoint needs the admin key.", "invalid_request_error",
+                       "admin_required")
+    return gw
+
+
+class CacheFlush(BaseModel):
+    tenant: str = Field(min_length=1, max_length=200)
+
+
+@admin_router.post("/cache/flush")
+async def flush_tenant_cache(body: CacheFlush, gw: Gateway = Depends(require_admin)) -> dict[str, Any]:
+    """Removes every semantic-cache entry of one tenant (by name)."""
+    cache = gw.reuse.cache
+    if cache is None:
+        raise invalid_request("the semantic cache is not enabled on this gateway")
+
+    def tenant_id() -> int | None:
+        with Session(gw.db) as s:
+            return s.scalar(select(Tenant.id).where(Tenant.name == body.tenant))
+
+    found = await run_in_threadpool(tenant_id)
+    if found is None:
+        raise invalid_request(f"tenant: no tenant named {body.tenant!r}", "tenant", "tenant_not_found")
+    removed = await run_in_threadpool(cache.flush, str(found))
+    return {"tenant": body.tenant, "flushed": removed}
