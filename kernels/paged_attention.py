@@ -171,6 +171,24 @@ def _device_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def check_paged_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks q [N, H, D] against caches [num_blocks, block_size, G, D]; returns q and block_tables
+    with unit stride in their last dimension, as the kernels index them."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, kv_dim = k_cache.shape[2], k_cache.shape[3]
+    if kv_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
+        raise ValueError("q [N, H, D] and caches [num_blocks, block_size, G, D] need matching D and H % G == 0")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV caches must be contiguous in the head dimension")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    return q, block_tables
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig) -> int:
     """Enough splits that batch * num_kv_heads * splits programs fill the SMs, each split at least
     config.min_split_tokens long."""
@@ -196,16 +214,9 @@ def decode_attention(
     pages in block_tables[b]. Returns [B, H, D]. The longest context is bounded by
     block_tables.shape[1] * block_size, which sets the split count without reading seq_lens."""
     cfg = config or DecodeConfig()
+    q, block_tables = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if kv_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
-        raise ValueError("q [B, H, D] and caches [num_blocks, block_size, G, D] need matching D and H % G == 0")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV caches must be contiguous in the head dimension")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
+    _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out

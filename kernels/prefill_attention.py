@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention import check_paged_inputs
+
 LOG2E = math.log2(math.e)
 
 
@@ -186,16 +188,9 @@ def paged_attention(
     Sequence i's rows query_start_loc[i]:query_start_loc[i+1] are the last tokens of its
     seq_lens[i]-token context. Returns [T, H, D]."""
     cfg = config or PrefillConfig()
+    q, block_tables = check_paged_inputs(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if kv_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
-        raise ValueError("q [T, H, D] and caches [num_blocks, block_size, G, D] need matching D and H % G == 0")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV caches must be contiguous in the head dimension")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
+    _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
