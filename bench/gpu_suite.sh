@@ -47,6 +47,8 @@ step engine_start_8b 150 "$PY" -m bench.engine_start --model random:llama-8b --d
   --json "$RESULTS/engine_start_8b.json"
 
 ROWS=""
+"$PY" -m bench.chart "$RESULTS" --out "$RESULTS/benchmarks.svg" || true
+
 echo
 echo "step                   rc       seconds  result"
 for i in "${!NAMES[@]}"; do

@@ -61,3 +61,15 @@ def test_engine_start(tmp_path) -> None:
 
 def test_gpu_suite_parses() -> None:
     subprocess.run(["bash", "-n", str(Path(__file__).parents[2] / "bench" / "gpu_suite.sh")], check=True)
+
+
+def test_chart_draws_each_result_against_its_goal(tmp_path):
+    from bench.chart import main
+
+    (tmp_path / "throughput_1b.json").write_text(json.dumps({"tok_s": 25_000.0}))
+    (tmp_path / "engine_start_8b.json").write_text(json.dumps({"total_seconds": 31.0}))
+    out = tmp_path / "chart.svg"
+    main([str(tmp_path), "--out", str(out)])
+    svg = out.read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 2
+    assert "#2e7d32" in svg and "#c62828" in svg  # throughput meets its goal, the slow start does not
