@@ -1,0 +1,87 @@
+"""An Invoice as CSV, JSON or self-contained HTML; the same invoice always renders to the same bytes."""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+from typing import Any
+
+from billing.invoice import Invoice
+
+FORMATS = ("csv", "json", "html")
+_KIND_LABEL = {"input": "input tokens", "output": "output tokens", "cache_hit": "cache hits"}
+
+
+def dollars(cents: int) -> str:
+    sign = "-" if cents < 0 else ""
+    return f"{sign}{abs(cents) // 100}.{abs(cents) % 100:02d}"
+
+
+def render(invoice: Invoice, fmt: str) -> str:
+    if fmt == "csv":
+        return to_csv(invoice)
+    if fmt == "json":
+        return to_json(invoice)
+    if fmt == "html":
+        return to_html(invoice)
+    raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def as_dict(invoice: Invoice) -> dict[str, Any]:
+    return {
+        "number": invoice.number, "tenant": invoice.tenant, "month": invoice.month,
+        "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
+        "currency": invoice.currency, "rounding": invoice.rounding, "requests": invoice.requests,
+        "lines": [{"model": l.model, "kind": l.kind, "tokens": l.tokens,
+                   "unit_price_per_1m": str(l.unit_price_per_1m), "amount_cents": l.amount_cents,
+                   "amount": dollars(l.amount_cents), "savings_cents": l.savings_cents,
+                   "savings": dollars(l.savings_cents)} for l in invoice.lines],
+        "total_cents": invoice.total_cents, "total": dollars(invoice.total_cents),
+        "savings_cents": invoice.savings_cents, "savings": dollars(invoice.savings_cents),
+    }
+
+
+def to_json(invoice: Invoice) -> str:
+    return json.dumps(as_dict(invoice), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def to_csv(invoice: Invoice) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["invoice", "tenant", "month", "model", "kind", "tokens", "unit_price_per_1m_usd",
+                "amount_usd", "savings_usd"])
+    head = [invoice.number, invoice.tenant, invoice.month]
+    for l in invoice.lines:
+        w.writerow(head + [l.model, l.kind, l.tokens, str(l.unit_price_per_1m), dollars(l.amount_cents),
+                           dollars(l.savings_cents)])
+    w.writerow(head + ["", "total", "", "", dollars(invoice.total_cents), dollars(invoice.savings_cents)])
+    return out.getvalue()
+
+
+_STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
+          "th,td{padding:.3em .8em;border-bottom:1px solid #ddd}td.n,th.n{text-align:right}"
+          "tfoot td{font-weight:bold;border-top:2px solid #222}.note{color:#666;font-size:.9em}")
+
+
+def to_html(invoice: Invoice) -> str:
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(l.model)}</td><td>{_KIND_LABEL[l.kind]}</td><td class=n>{l.tokens:,}</td>"
+        f"<td class=n>{e(str(l.unit_price_per_1m))}</td><td class=n>{dollars(l.amount_cents)}</td>"
+        f"<td class=n>{dollars(l.savings_cents) if l.savings_cents else ''}</td></tr>\n"
+        for l in invoice.lines)
+    return (
+        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        f"<title>Invoice {e(invoice.number)}</title><style>{_STYLE}</style></head><body>\n"
+        f"<h1>Invoice {e(invoice.number)}</h1>\n"
+        f"<p>Tenant: <strong>{e(invoice.tenant)}</strong><br>Period: {invoice.period_start.isoformat()} to "
+        f"{invoice.period_end.isoformat()} (exclusive)<br>Requests: {invoice.requests:,}</p>\n"
+        "<table><thead><tr><th>Model</th><th>Item</th><th class=n>Tokens</th>"
+        f"<th class=n>{e(invoice.currency)} per 1M</th><th class=n>Amount</th><th class=n>Cache savings</th>"
+        f"</tr></thead>\n<tbody>\n{rows}</tbody>\n"
+        f"<tfoot><tr><td colspan=4>Total ({e(invoice.currency)})</td><td class=n>{dollars(invoice.total_cents)}</td>"
+        f"<td class=n>{dollars(invoice.savings_cents)}</td></tr></tfoot></table>\n"
+        f"<p class=note>Rounding: {e(invoice.rounding)}.</p>\n</body></html>\n"
+    )
