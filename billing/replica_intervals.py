@@ -52,7 +52,8 @@ class IntervalRecorder:
             except Exception:  # the span stays open and goes into the next row
                 log.exception("could not write the replica interval of %s", self._model)
                 return
-            self._last_t, self._last_busy = now, busy_total
+            # busy time beyond the row's span (sampled a moment apart) carries into the next row
+            self._last_t, self._last_busy = now, self._last_busy + busy
             self.rows_written += 1
 
     def close(self) -> None:

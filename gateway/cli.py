@@ -21,8 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args, settings) or 0)
     except (ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "NoPlatform":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,17 +36,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--database-url", help="SQLAlchemy URL (default $TOLLGATE_DATABASE_URL or SQLite under home)")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the gateway")
+    serve = sub.add_parser("serve", help="run the gateway and every spec in the models directory")
     serve.add_argument("--local", action="store_true", help="run the models in this process (no Ray)")
+    serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--models-dir", type=Path, help="directory of model specs (default platform/models)")
     serve.set_defaults(func=cmd_serve)
 
-    up = sub.add_parser("up", help="run the local platform with the bundled model and a demo key")
+    up = sub.add_parser("up", help="start (or join) Ray and serve the platform with the bundled model and a demo key")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
+    up.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     up.set_defaults(func=cmd_up)
+
+    deploy = sub.add_parser("deploy", help="validate a model spec, record it and deploy or update the model")
+    deploy.add_argument("spec", type=Path)
+    deploy.add_argument("--address", help="Ray cluster address (default: the local platform)")
+    deploy.set_defaults(func=cmd_deploy)
+
+    status = sub.add_parser("status", help="each model's replicas by state, queue and cold starts")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--address")
+    status.set_defaults(func=cmd_status)
+
+    delete = sub.add_parser("delete", help="delete a model's application (other models keep running)")
+    delete.add_argument("name")
+    delete.add_argument("--address")
+    delete.set_defaults(func=cmd_delete)
+
+    scale = sub.add_parser("scale", help="change a model's replica bounds")
+    scale.add_argument("name")
+    scale.add_argument("--min", type=int, dest="min_replicas")
+    scale.add_argument("--max", type=int, dest="max_replicas")
+    scale.add_argument("--address")
+    scale.set_defaults(func=cmd_scale)
 
     db = sub.add_parser("db", help="database schema")
     db_sub = db.add_subparsers(required=True, metavar="ACTION")
@@ -80,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("--since", type=_date, help="YYYY-MM-DD (inclusive, UTC)")
     usage.add_argument("--until", type=_date, help="YYYY-MM-DD (exclusive, UTC)")
     usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")
+    usage.add_argument("--gpu", action="store_true", help="replica time per model and day: alive, busy, idle rate")
+    usage.add_argument("--model", help="with --gpu: only this model")
     usage.add_argument("--json", action="store_true")
     usage.set_defaults(func=cmd_usage)
     return p
@@ -154,6 +185,12 @@ def cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
     from billing.usage import usage_frame
 
+    if args.gpu:
+        from billing.gpu_usage import gpu_usage_frame
+
+        frame = gpu_usage_frame(_db(settings), model=args.model, since=args.since, until=args.until)
+        _print_frame(frame, args.json, "no replica time recorded")
+        return 0
     groups = tuple(g.strip() for g in args.group_by.split(",") if g.strip())
     frame = usage_frame(_db(settings), tenant=args.tenant, since=args.since, until=args.until, group_by=groups)
     if args.json:
@@ -166,30 +203,128 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    if not args.local:
-        print("error: only --local is available (models run in this process); Ray Serve comes later",
-              file=sys.stderr)
-        return 2
-    settings = Settings.load(home=args.home, database_url=args.database_url, host=args.host, port=args.port,
-                             models_dir=args.models_dir)
-    _serve_local(settings)
-    return 0
+    if args.local:
+        settings = Settings.load(home=args.home, database_url=args.database_url, host=args.host, port=args.port,
+                                 models_dir=args.models_dir)
+        _serve_local(settings)
+        return 0
+    from gateway.specs import load_specs
+
+    ps = _platform_settings(args, host=args.host, port=args.port, models_dir=args.models_dir)
+    return _serve_platform(ps, load_specs(ps.models_dir), key=None)
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    settings = Settings.load(home=args.home, database_url=args.database_url, host=args.host, port=args.port)
-    db = _db(settings)
-    key = demo_key(settings, db)
-    url = f"http://{settings.host}:{settings.port}"
-    print(f"Tollgate is starting at {url}/v1 (the model loads first; Ctrl-C stops it)")
-    print(f"demo tenant {DEMO_TENANT!r}, API key: {key}")
+    from gateway.specs import load_spec
+
+    ps = _platform_settings(args, host=args.host, port=args.port)
+    key = demo_key(ps, _db(ps))
+    return _serve_platform(ps, [load_spec(ps.models_dir / BUNDLED_SPEC)], key=key)
+
+
+def _platform_settings(args: argparse.Namespace, **overrides: object):  # type: ignore[no-untyped-def]
+    from gateway.platform_settings import PlatformSettings
+
+    return PlatformSettings.load(home=args.home, database_url=args.database_url,
+                                 ray_address=getattr(args, "address", None), **overrides)
+
+
+def _serve_platform(ps, specs: list, key: str | None) -> int:  # type: ignore[no-untyped-def]
+    """Start or join Ray, deploy the models and the gateway, print how to call it, serve until stopped."""
+    import signal
+    import time
+
+    from ray import serve
+
+    from gateway import platform_ops as ops
+
+    db = _db(ps)
+    started = ops.connect(ps.ray_address, start_local=True, quiet=False)
+    serve.start(http_options={"host": ps.host, "port": ps.port})
+    for spec in specs:
+        ops.deploy_model(db, spec, ps)
+    ops.deploy_gateway(ps)
+    url = f"http://{ps.host}:{ps.port}"
+    model = specs[0].name if specs else "MODEL"
+    print(f"Tollgate is serving at {url}/v1 on Ray Serve; models: {', '.join(s.name for s in specs) or 'none'}")
+    print("models start on their first request (scale to zero when idle); Ctrl-C stops the platform")
+    if key is not None:
+        print(f"demo tenant {DEMO_TENANT!r}, API key: {key}")
     print("try:")
-    print(f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+    print(f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer {key or '$TOLLGATE_KEY'}' "
           "-H 'Content-Type: application/json' "
-          "-d '{\"model\": \"smollm2-135m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
+          f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           "\"max_tokens\": 32}'")
     sys.stdout.flush()
-    _serve_local(settings, only_spec=BUNDLED_SPEC)
+
+    def _stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    if started:
+        print("stopping the platform", file=sys.stderr)
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+    else:
+        print("left the platform running on the Ray cluster", file=sys.stderr)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway import platform_ops as ops
+    from gateway.specs import load_spec
+
+    spec = load_spec(args.spec)  # validation first: a bad spec never reaches the cluster
+    ps = _platform_settings(args)
+    db = _db(ps)
+    ops.connect(ps.ray_address)
+    ops.deploy_model(db, spec, ps)
+    print(f"deployed {spec.name} (replicas {spec.autoscaling.min_replicas}..{spec.autoscaling.max_replicas}, "
+          f"num_gpus {spec.resources.num_gpus:g})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway import platform_ops as ops
+
+    ps = _platform_settings(args)
+    ops.connect(ps.ray_address)
+    rows = ops.platform_status(_db(ps))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    flat = [{**r, "replicas": ", ".join(f"{k}={v}" for k, v in r["replicas"].items()) or "0"} for r in rows]
+    _print_rows(flat, False)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway import platform_ops as ops
+
+    ps = _platform_settings(args)
+    ops.connect(ps.ray_address)
+    ops.delete_model(args.name)
+    print(f"deleted {args.name}")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway import platform_ops as ops
+
+    if args.min_replicas is None and args.max_replicas is None:
+        raise ValueError("scale: give --min and/or --max")
+    ps = _platform_settings(args)
+    db = _db(ps)
+    ops.connect(ps.ray_address)
+    spec = ops.scale_model(db, args.name, ps, args.min_replicas, args.max_replicas)
+    print(f"{spec.name}: replicas {spec.autoscaling.min_replicas}..{spec.autoscaling.max_replicas}")
     return 0
 
 
@@ -230,6 +365,15 @@ def _serve_local(settings: Settings, only_spec: str | None = None) -> None:
     app = create_app(settings, db, backends, specs, own_backends=True)
     # the access log prints paths and status codes only: never headers (keys) or bodies (prompts)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
+
+
+def _print_frame(frame, as_json: bool, empty: str) -> None:  # type: ignore[no-untyped-def]
+    if as_json:
+        print(frame.to_json(orient="records"))
+    elif frame.empty:
+        print(empty)
+    else:
+        print(frame.to_string(index=False))
 
 
 def _print_rows(rows: list[dict], as_json: bool) -> None:

@@ -1,0 +1,218 @@
+"""Tollgate as Ray Serve applications: the gateway (FastAPI ingress, route "/") and one application
+per model spec running a ModelServer deployment (an AsyncEngine per replica, autoscaled 0..N).
+Deploying, updating or deleting a model touches only its own application.
+
+Builders for config files (KubeRay serveConfigV2, `serve run`): `gateway.serve:gateway_builder` and
+`gateway.serve:model_builder` with args {"spec": "path/to/model.yaml"}."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from sqlalchemy import select
+
+from billing.db import make_engine
+from billing.models import ModelDeployment
+from billing.replica_intervals import IntervalRecorder
+from gateway.app import create_app
+from gateway.backends import GenerationChunk, GenerationRequest, LocalEngineBackend, ModelBackend
+from gateway.gpu_sampler import GpuSampler
+from gateway.platform_settings import PlatformSettings
+from gateway.ray_backend import PlatformHeaders, RayModelBackend, ReplicaAccepted
+from gateway.specs import ModelSpec, load_spec, parse_spec
+
+log = logging.getLogger("tollgate.serve")
+
+GATEWAY_APP = "tollgate"
+MODEL_APP_PREFIX = "model-"
+MODEL_DEPLOYMENT = "ModelServer"
+
+
+def model_app_name(model: str) -> str:
+    return MODEL_APP_PREFIX + model
+
+
+@serve.deployment(name=MODEL_DEPLOYMENT, health_check_period_s=2.0, graceful_shutdown_timeout_s=30.0,
+                  graceful_shutdown_wait_loop_s=0.5)
+class ModelServer:
+    """One replica: loads the model once, streams GenerationChunks, records alive/busy intervals."""
+
+    async def __init__(self, spec_data: dict[str, Any], db_url: str, interval_flush_s: float) -> None:
+        started = self.started_at = time.time()
+        self.spec = parse_spec(spec_data)
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id
+        self.backend = LocalEngineBackend(self.spec)
+        self.db = make_engine(db_url)
+        self.recorder = IntervalRecorder(self.db, self.spec.name, self.replica, self._busy_seconds,
+                                         flush_every_s=interval_flush_s, started_at=started)
+        self.recorder.start()
+        self.gpu = GpuSampler.maybe_start() if self.spec.resources.num_gpus > 0 else None
+        self.ongoing = 0
+        await self.backend.start()
+        self.ready_at = time.time()
+        self.load_s = self.ready_at - started
+        log.info("replica %s of %s ready in %.2f s", self.replica, self.spec.name, self.load_s)
+
+    def _busy_seconds(self) -> float:
+        stats = self.backend.stats()
+        return float(stats.get("busy_seconds", 0.0))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[ReplicaAccepted | GenerationChunk]:
+        yield ReplicaAccepted(self.replica, self.ready_at, self.started_at)
+        self.ongoing += 1
+        try:
+            async for chunk in self.backend.generate(request):
+                yield chunk
+        finally:
+            self.ongoing -= 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"replica": self.replica, "ongoing": self.ongoing, "load_s": self.load_s,
+                "engine": self.backend.stats(), "gpu_util": self.gpu.mean() if self.gpu else None}
+
+    def __del__(self) -> None:
+        # graceful shutdown (downscale, redeploy, delete): close the last interval, free the engine
+        if getattr(self, "gpu", None) is not None:
+            self.gpu.stop()
+        if hasattr(self, "recorder"):
+            self.recorder.close()
+        if hasattr(self, "backend"):
+            self.backend.stop()
+
+
+class _ModelRegistry:
+    """Keeps the gateway's backends in step with the model applications on the cluster: a thread reads
+    serve.status() and the ModelDeployment rows and swaps in new dicts (never mutates the live ones)."""
+
+    def __init__(self, gw: Any, settings: PlatformSettings, db: Any) -> None:
+        self.gw = gw
+        self.settings = settings
+        self.db = db
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tollgate-registry", daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.registry_refresh_s):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("model registry refresh failed")
+
+    def refresh(self) -> None:
+        apps = {name[len(MODEL_APP_PREFIX):]: app for name, app in serve.status().applications.items()
+                if name.startswith(MODEL_APP_PREFIX)}
+        with self.db.connect() as conn:
+            rows = dict(conn.execute(select(ModelDeployment.name, ModelDeployment.spec)).tuples().all())
+        current: dict[str, ModelBackend] = self.gw.backends
+        backends: dict[str, ModelBackend] = {}
+        prices = dict(self.gw.prices)
+        for name, app in apps.items():
+            spec_data = rows.get(name)
+            spec = parse_spec(spec_data) if spec_data else None
+            backend = current.get(name)
+            if not isinstance(backend, RayModelBackend):
+                handle = serve.get_app_handle(model_app_name(name))
+                max_len = spec.engine.get("max_model_len") if spec else None
+                backend = RayModelBackend(name, handle, max_model_len=max_len,
+                                          cold_start_timeout_s=self.settings.cold_start_timeout_s)
+            backend.state = _state(str(app.status))
+            backends[name] = backend
+            if spec is not None:
+                prices[name] = spec.pricing.prices()
+        self.gw.prices = prices
+        self.gw.backends = backends  # one reference swap: requests see the old or the new dict
+
+
+def _deployed_specs(db: Any) -> list[ModelSpec]:
+    names = {n[len(MODEL_APP_PREFIX):] for n in serve.status().applications if n.startswith(MODEL_APP_PREFIX)}
+    with db.connect() as conn:
+        rows = conn.execute(select(ModelDeployment.name, ModelDeployment.spec)).tuples().all()
+    return [parse_spec(spec) for name, spec in rows if name in names]
+
+
+def _state(app_status: str) -> Any:
+    status = app_status.rsplit(".", 1)[-1].upper()
+    if status == "DEPLOY_FAILED":
+        return "failed"
+    if status == "DELETING":
+        return "stopped"
+    return "ready"  # RUNNING (at zero replicas too: a request starts one), DEPLOYING, UNHEALTHY (restarting)
+
+
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class GatewayIngress:
+    """The OpenAI API of gateway/app.py as the Serve ingress; model calls go through RayModelBackends."""
+
+    async def __init__(self, settings: PlatformSettings) -> None:
+        self.settings = settings
+        self.db = make_engine(self.settings.db_url)
+        self.registry: _ModelRegistry | None = None
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        # the specs deployed now, for what create_app derives from them (router sides, cache groups);
+        # models deployed later reach the gateway through the registry (backends and prices)
+        specs = await asyncio.to_thread(_deployed_specs, self.db)
+        app = create_app(self.settings, self.db, {}, specs)
+        app.add_middleware(PlatformHeaders, retry_after_s=self.settings.retry_after_s)
+        self.registry = _ModelRegistry(app.state.gateway, self.settings, self.db)
+        await asyncio.to_thread(self.registry.start)
+        self.gateway = app.state.gateway
+        return app
+
+    def stats(self) -> dict[str, Any]:
+        """What `platform status` shows from the gateway's side, per model."""
+        return {name: b.counters.as_dict() for name, b in self.gateway.backends.items()
+                if isinstance(b, RayModelBackend)}
+
+    def __del__(self) -> None:
+        if self.registry is not None:
+            self.registry.stop()
+
+
+def model_application(spec: ModelSpec, settings: PlatformSettings, **deployment_options: Any) -> Application:
+    actor_options: dict[str, Any] = {"num_cpus": spec.resources.num_cpus, "num_gpus": spec.resources.num_gpus}
+    if spec.resources.memory_gib is not None:
+        actor_options["memory"] = int(spec.resources.memory_gib * 2**30)
+    deployment = ModelServer.options(
+        autoscaling_config=spec.autoscaling.serve_config(),
+        max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
+        ray_actor_options=actor_options,
+        **deployment_options,
+    )
+    # autoscaling and pricing stay out of the replicas' arguments so that changing them does not restart replicas
+    replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
+    return deployment.bind(replica_spec, settings.db_url, settings.interval_flush_s)
+
+
+def gateway_application(settings: PlatformSettings) -> Application:
+    return GatewayIngress.bind(settings)
+
+
+# ---- builders for Serve config files (serveConfigV2 import_path) ---------------------------------
+
+
+def gateway_builder(args: dict[str, Any]) -> Application:
+    return gateway_application(PlatformSettings.load(**(args or {})))
+
+
+def model_builder(args: dict[str, Any]) -> Application:
+    args = dict(args or {})
+    spec_arg = args.pop("spec")
+    spec = parse_spec(spec_arg) if isinstance(spec_arg, dict) else load_spec(spec_arg)
+    return model_application(spec, PlatformSettings.load(**args))

@@ -1,0 +1,94 @@
+"""What an operator deploys (platform/): every file loads, its specs validate and its import paths resolve."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.specs import load_spec, load_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+PLATFORM = ROOT / "platform"
+
+
+def _resolve(import_path: str) -> object:
+    module, _, attr = import_path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def test_model_specs_validate() -> None:
+    specs = {s.name: s for s in load_specs(PLATFORM / "models")}
+    assert {"smollm2-135m", "llama-3.1-8b"} <= set(specs)
+    small, large = specs["smollm2-135m"], specs["llama-3.1-8b"]
+    assert small.resources.num_gpus == 0 and small.size == "small"
+    assert large.resources.num_gpus == 1 and large.size == "large" and large.autoscaling.min_replicas == 0
+
+
+def test_rayservice_runs_the_same_applications() -> None:
+    pytest.importorskip("ray")
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = yaml.safe_load((PLATFORM / "kuberay" / "rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)  # Ray's own check of a serve config file
+    apps = {a["name"]: a for a in config["applications"]}
+    from gateway.serve import GATEWAY_APP, model_app_name
+
+    assert apps[GATEWAY_APP]["route_prefix"] == "/"
+    assert all(a["route_prefix"] is None for n, a in apps.items() if n != GATEWAY_APP)
+    for name, app in apps.items():
+        builder = _resolve(app["import_path"])
+        args = dict(app.get("args") or {})
+        if "spec" in args:  # the image copies the repository to /app
+            path = ROOT / Path(args["spec"]).relative_to("/app")
+            spec = load_spec(path)
+            assert name == model_app_name(spec.name)
+            args["spec"] = str(path)
+        assert callable(builder)
+        assert isinstance(builder(args), Application)
+    assert ROOT.joinpath("platform", "models").is_dir()
+
+
+def test_ray_cluster_config() -> None:
+    cluster = yaml.safe_load((PLATFORM / "ray" / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types
+    assert any(t["resources"].get("GPU", 0) >= 1 and t.get("min_workers", 0) == 0 for t in types.values())
+    assert cluster["docker"]["image"].startswith("tollgate")
+
+
+def test_dockerfile_copies_real_paths_and_runs_a_real_command() -> None:
+    text = (PLATFORM / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (?:--\S+ )*(\S+) ", text, flags=re.M):
+        for part in src.split():
+            assert list(ROOT.glob(part.rstrip("*") + "*")), f"COPY {part}: not in the repository"
+    cmd = yaml.safe_load(re.search(r"^CMD (.+)$", text, flags=re.M).group(1))
+    assert cmd[0] == "platform"
+    from gateway.cli import _parser
+
+    args = _parser().parse_args(cmd[1:])
+    assert args.func.__name__ == "cmd_up"
+    assert _resolve("gateway.cli:main")
+
+
+def test_deploy_rejects_a_bad_spec_naming_each_field(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gateway.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: m\nsource: x\nresources: {num_gpus: -1}\n"
+                   "autoscaling: {min_replicas: 3, max_replicas: 2, bogus: 1}\nengine: {max_model_lenn: 5}\n")
+    assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2  # before any cluster is contacted
+    err = capsys.readouterr().err
+    for path in ("resources.num_gpus", "autoscaling.bogus", "engine.max_model_lenn"):
+        assert f"  {path}: " in err
+    bad.write_text("name: m\nsource: x\nautoscaling: {min_replicas: 3, max_replicas: 2}\n")
+    assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2
+    assert "autoscaling.max_replicas: must be >= min_replicas" in capsys.readouterr().err
+    bad.write_text("- not\n- a mapping\n")
+    assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2

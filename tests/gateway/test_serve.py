@@ -1,0 +1,273 @@
+"""The platform on real Ray Serve, SmolLM2 on CPU: scale to zero and back, cold-start headers, replica
+intervals, a replica killed mid-stream, and deploy / scale / delete / status. One Ray and one Serve
+instance for the whole module; the model loads once per replica start (three times in all)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import Engine, select
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from billing.accounts import create_key, create_tenant  # noqa: E402
+from billing.db import make_engine  # noqa: E402
+from billing.gpu_usage import gpu_usage_frame  # noqa: E402
+from billing.models import ReplicaInterval, UsageEvent  # noqa: E402
+from gateway import platform_ops as ops  # noqa: E402
+from gateway.platform_settings import PlatformSettings  # noqa: E402
+from gateway.ray_backend import COLD_START_HEADER, REQUEST_ID_HEADER  # noqa: E402
+from gateway.serve import MODEL_APP_PREFIX, model_app_name  # noqa: E402
+from gateway.specs import ModelSpec, load_spec  # noqa: E402
+from tests.billing.dbutil import fresh_database  # noqa: E402
+from tests.gateway.live import free_port  # noqa: E402
+
+SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
+DOWNSCALE_S = 3.0
+
+
+def test_spec(name: str = "smollm2-135m", **autoscaling: object) -> ModelSpec:
+    spec = load_spec(SPEC_PATH)
+    data = spec.model_dump(mode="json")
+    data["name"] = name
+    data["engine"].update(max_model_len=512, max_num_seqs=8, cpu_kv_cache_gib=0.25)
+    data["autoscaling"].update(min_replicas=0, max_replicas=1, target_ongoing_requests=2, upscale_delay_s=0.0,
+                               downscale_delay_s=DOWNSCALE_S, look_back_period_s=1.0, metrics_interval_s=0.5)
+    data["autoscaling"].update(autoscaling)
+    return ModelSpec.model_validate(data)
+
+
+test_spec.__test__ = False  # type: ignore[attr-defined]
+
+
+@dataclass
+class Platform:
+    url: str
+    key: str
+    db: Engine
+    db_url: str
+    settings: PlatformSettings
+    model: str
+
+    def chat(self, max_tokens: int = 8, stream: bool = False, timeout: float = 120.0, **extra: object) -> httpx.Response:
+        # a new question each time: a repeated one could be answered by the semantic cache, not the model
+        question = f"Say hello to {uuid.uuid4().hex[:8]}."
+        body = {"model": self.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": stream, **extra}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
+                          headers={"Authorization": f"Bearer {self.key}"})
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.2):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory) -> Iterator[Platform]:
+    with fresh_database(tmp_path_factory.mktemp("serve")) as db_url:
+        db = make_engine(db_url)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            home = tmp_path_factory.mktemp("serve-home")
+            # the semantic cache is tested on its own; here every request must reach the model
+            settings = PlatformSettings(database_url=db_url, home=home, semantic_cache=False, key_cache_ttl_s=0.0,
+                                        interval_flush_s=2.0, registry_refresh_s=0.25, cold_start_timeout_s=90.0,
+                                        retry_after_s=7)
+            spec = test_spec()
+            ops.deploy_model(db, spec, settings)
+            ops.deploy_gateway(settings)
+            create_tenant(db, "acme")
+            key = create_key(db, "acme").key
+            p = Platform(f"http://127.0.0.1:{port}", key, db, db_url, settings, spec.name)
+            wait_until(lambda: _listed(p), 30, "the gateway to list the model")
+            yield p
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            db.dispose()
+
+
+def _listed(p: Platform) -> bool:
+    try:
+        r = httpx.get(f"{p.url}/v1/models", headers={"Authorization": f"Bearer {p.key}"}, timeout=5)
+    except httpx.TransportError:
+        return False
+    return r.status_code == 200 and any(m["id"] == p.model for m in r.json()["data"])
+
+
+def _intervals(db: Engine, model: str) -> dict[str, list[ReplicaInterval]]:
+    with db.connect() as conn:
+        rows = conn.execute(select(ReplicaInterval).where(ReplicaInterval.model == model)
+                            .order_by(ReplicaInterval.start)).all()
+    out: dict[str, list] = {}
+    for r in rows:
+        out.setdefault(r.replica, []).append(r)
+    return out
+
+
+def _ts(dt) -> float:  # type: ignore[no-untyped-def]
+    from datetime import timezone
+
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def test_scale_to_zero_and_back_with_intervals(platform: Platform) -> None:
+    m = platform.model
+    assert ops.running_replicas(m) == 0  # min_replicas 0: nothing runs before the first request
+    lives = []
+    for _ in range(2):
+        sent = time.time()
+        r = platform.chat()
+        answered = time.time()
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        cold = float(r.headers[COLD_START_HEADER])
+        print(f"cold start {cold:.2f} s, answered in {answered - sent:.2f} s")
+        assert 0 < cold <= answered - sent
+        assert ops.running_replicas(m) == 1
+        # warm now: no header
+        warm = platform.chat(max_tokens=2)
+        assert warm.status_code == 200 and COLD_START_HEADER not in warm.headers
+        wait_until(lambda: not ops.replica_states(m), 45, "scale to zero (no replica in any state)")
+        gone = time.time()
+        assert gone - answered >= DOWNSCALE_S - 0.5
+        lives.append((sent, answered, gone))
+    by_replica = wait_until(lambda: (lambda d: d if len(d) == 2 and all(r[-1].end for r in d.values()) else None)(
+        _intervals(platform.db, m)), 10, "both replicas' final intervals")
+    spans = sorted(by_replica.values(), key=lambda rows: _ts(rows[0].start))
+    for rows, (sent, answered, gone) in zip(spans, lives):
+        for a, b in zip(rows, rows[1:]):  # the rows tile the replica's life
+            assert abs(_ts(b.start) - _ts(a.end)) < 1e-3
+        alive = sum(_ts(r.end) - _ts(r.start) for r in rows)
+        assert abs(sum(r.busy_s + r.idle_s for r in rows) - alive) < 1e-3
+        first, last = _ts(rows[0].start), _ts(rows[-1].end)
+        assert sent - 0.5 <= first <= answered  # the replica started for this request
+        assert answered + DOWNSCALE_S - 1.0 <= last <= gone + 0.5  # and lived until the scale-down
+        assert alive == pytest.approx(last - first, abs=1e-3)
+        assert 0 < sum(r.busy_s for r in rows) < answered - sent + 10
+    frame = gpu_usage_frame(platform.db, model=m)
+    assert frame["replicas"].sum() == 2
+    assert frame["alive_h"].sum() * 3600 == pytest.approx(
+        sum(sum(_ts(r.end) - _ts(r.start) for r in rows) for rows in spans), rel=1e-6)
+    assert 0 < frame["idle_rate"].iloc[0] < 1
+
+
+def test_replica_killed_mid_stream(platform: Platform) -> None:
+    m = platform.model
+    body = {"model": m, "messages": [{"role": "user", "content": f"Count to {uuid.uuid4().int % 10**6}."}],
+            "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    killed = False
+    started = time.monotonic()
+    with httpx.stream("POST", f"{platform.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {platform.key}"}) as r:
+        assert r.status_code == 200
+        request_id = r.headers[REQUEST_ID_HEADER]
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if not killed and len(events) >= 4:
+                [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                          if a["name"].startswith(f"SERVE_REPLICA::{model_app_name(m)}#")]
+                ray.kill(ray.get_actor(name, namespace=a_namespace(name)), no_restart=True)
+                killed = True
+    assert killed and time.monotonic() - started < 60
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert error["error"]["type"] == "server_error"
+    assert not any('"finish_reason": "length"' in e for e in events)
+
+    def failed() -> bool:
+        with platform.db.connect() as conn:
+            return conn.scalar(select(UsageEvent.status).where(UsageEvent.request_id == request_id)) == "failed"
+
+    wait_until(failed, 10, "the request to be recorded as failed")
+    r2 = platform.chat(max_tokens=4)
+    assert r2.status_code == 200, r2.text
+
+
+def a_namespace(actor_name: str) -> str:
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"] == actor_name:
+            return a["namespace"]
+    raise LookupError(actor_name)
+
+
+def test_deploy_scale_delete_status(platform: Platform) -> None:
+    m = platform.model
+    first_deployed = serve.status().applications[model_app_name(m)].last_deployed_time_s
+    other = test_spec("smollm2-other")
+    ops.deploy_model(platform.db, other, platform.settings)
+    wait_until(lambda: _listed_name(platform, "smollm2-other"), 15, "the second model to be listed")
+    rows = {r["model"]: r for r in ops.platform_status(platform.db)}
+    assert set(rows) == {m, "smollm2-other"}
+    assert rows[m]["cold_starts"] >= 3 and rows[m]["status"] == "RUNNING"
+    assert rows["smollm2-other"]["replicas"] == {} and rows["smollm2-other"]["max_replicas"] == 1
+
+    ops.scale_model(platform.db, "smollm2-other", platform.settings, 0, 2)
+    assert ops.recorded_spec(platform.db, "smollm2-other").autoscaling.max_replicas == 2
+    ops.delete_model("smollm2-other")
+    wait_until(lambda: not _listed_name(platform, "smollm2-other"), 15, "the second model to go")
+    assert not any(a.startswith(MODEL_APP_PREFIX + "smollm2-other") for a in serve.status().applications)
+    # the first model was never redeployed
+    assert serve.status().applications[model_app_name(m)].last_deployed_time_s == first_deployed
+    with pytest.raises(KeyError):
+        ops.delete_model("smollm2-other")
+
+    # the CLI joins the running cluster
+    env = {"TOLLGATE_DATABASE_URL": platform.db_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json"], env=env, capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["model"] for r in json.loads(out.stdout)] == [m]
+
+
+def test_no_replica_within_the_bound_is_unavailable(platform: Platform) -> None:
+    import asyncio
+
+    from engine.config import SamplingParams
+    from gateway.backends import BackendUnavailable, GenerationRequest
+    from gateway.ray_backend import RayModelBackend
+
+    data = test_spec("smollm2-never").model_dump(mode="json")
+    data["resources"]["num_cpus"] = 64  # no node has that many: its replica never starts
+    ops.deploy_model(platform.db, ModelSpec.model_validate(data), platform.settings, graceful_shutdown_timeout_s=1.0)
+    backend = RayModelBackend("smollm2-never", serve.get_app_handle(model_app_name("smollm2-never")),
+                              max_model_len=512, cold_start_timeout_s=1.5)
+
+    async def first() -> object:
+        stream = backend.generate(GenerationRequest("r1", SamplingParams(max_tokens=2), prompt="hi"))
+        return await stream.__anext__()
+
+    t = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="no replica ready"):
+        asyncio.run(first())
+    assert 1.4 < time.monotonic() - t < 10
+    assert backend.counters.cold_start_timeouts == 1 and backend.counters.waiting_for_replica == 0
+    ops.delete_model("smollm2-never")
+
+
+def _listed_name(p: Platform, name: str) -> bool:
+    r = httpx.get(f"{p.url}/v1/models", headers={"Authorization": f"Bearer {p.key}"}, timeout=5)
+    return any(m["id"] == name for m in r.json()["data"])
