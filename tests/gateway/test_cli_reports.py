@@ -1,0 +1,88 @@
+"""`platform invoice` and `platform report` through a parser built here with cli_reports.register."""
+
+import argparse
+import json
+from datetime import datetime, timezone
+
+import pandas as pd
+import pytest
+from sqlalchemy.orm import Session
+
+from billing.db import make_engine
+from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from gateway.cli_reports import register
+from gateway.settings import Settings
+from tests.billing.dbutil import fresh_database
+
+EVIL = "a'b\"; DROP TABLE tenants;--"
+DAY = datetime(2026, 3, 2, 9, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def db_url(tmp_path):
+    with fresh_database(tmp_path) as url:
+        engine = make_engine(url)
+        with Session(engine) as s:
+            t = Tenant(name=EVIL)
+            s.add_all([t, ModelDeployment(name="small", spec={}, input_per_1m=1.0, output_per_1m=2.0, gpu_hour=3.6)])
+            s.flush()
+            s.add(UsageEvent(request_id="r1", tenant_id=t.id, model="small", endpoint="completions", status="ok",
+                             prompt_tokens=1_000_000, completion_tokens=500_000, latency_s=2.0, created_at=DAY))
+            s.add(ReplicaInterval(model="small", replica="a", start=DAY, busy_s=600.0, idle_s=2400.0))
+            s.commit()
+        engine.dispose()
+        yield url
+
+
+def _run(db_url: str, tmp_path, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="platform")
+    sub = parser.add_subparsers(required=True)
+    loaded: list[argparse.Namespace] = []
+
+    def load_settings(args: argparse.Namespace) -> Settings:
+        loaded.append(args)
+        return Settings(home=tmp_path, database_url=db_url)
+
+    register(sub, load_settings)
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    assert loaded == [args]
+    return code
+
+
+def test_invoice_json_to_file_and_csv_to_stdout(db_url, tmp_path, capsys):
+    out = tmp_path / "inv.json"
+    assert _run(db_url, tmp_path, ["invoice", "--tenant", EVIL, "--month", "2026-03", "--format", "json",
+                                   "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["total"] == "2.00" and [l["amount_cents"] for l in data["lines"]] == [100, 100]
+    assert _run(db_url, tmp_path, ["invoice", "--tenant", EVIL, "--month", "2026-03"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(",total,,,2.00,0.00")
+
+
+def test_invoice_errors_name_the_field(db_url, tmp_path):
+    with pytest.raises(ValueError, match="^month:"):
+        _run(db_url, tmp_path, ["invoice", "--tenant", EVIL, "--month", "2026-3"])
+    with pytest.raises(ValueError, match="^tenant:"):
+        _run(db_url, tmp_path, ["invoice", "--tenant", "nobody", "--month", "2026-03"])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])
+def test_report_formats_round_trip(db_url, tmp_path, fmt):
+    out = tmp_path / f"report.{fmt}"
+    assert _run(db_url, tmp_path, ["report", "--since", "2026-03-01", "--until", "2026-04-01", "--format", fmt,
+                                   "--output", str(out)]) == 0
+    frame = {"csv": pd.read_csv, "json": pd.read_json, "parquet": pd.read_parquet}[fmt](out)
+    row = frame.iloc[0]
+    assert row["tenant"] == EVIL and row["requests_ok"] == 1
+    assert row["revenue_usd"] == pytest.approx(2.0)
+    assert row["gpu_cost_usd"] == pytest.approx(3000 / 3600 * 3.6)
+    assert row["margin_usd"] == pytest.approx(2.0 - 3.0)
+
+
+def test_report_gpu_kind_and_bad_date(db_url, tmp_path, capsys):
+    assert _run(db_url, tmp_path, ["report", "--kind", "gpu", "--format", "json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["idle_rate"] == pytest.approx(0.8)
+    with pytest.raises(SystemExit):
+        _run(db_url, tmp_path, ["report", "--since", "March", "--format", "csv"])
