@@ -2,34 +2,121 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sqlalchemy import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+MAX_TENANT_LABELS = 200  # spend per tenant: later tenants share the label OTHER_TENANT
+OTHER_TENANT = "_other"
+
+EngineStats = Callable[[], dict[str, dict[str, Any]]]
+GpuMemory = Callable[[], list[tuple[str, int, int]]]  # (gpu index, used bytes, total bytes)
 
 
 class _EngineStats(Collector):
-    def __init__(self, source: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    """Every numeric engine stat as tollgate_engine_<name>{model}, plus stable derived series."""
+
+    def __init__(self, source: EngineStats) -> None:
         self._source = source
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily] = {}
+        kv = GaugeMetricFamily("tollgate_model_kv_cache_usage_ratio", "KV-cache blocks in use / total", labels=["model"])
+        busy = CounterMetricFamily("tollgate_model_busy_seconds", "Engine time with work", labels=["model"])
+        idle = CounterMetricFamily("tollgate_model_idle_seconds", "Engine time without work", labels=["model"])
+        active = GaugeMetricFamily("tollgate_model_engine_busy", "1 while the engine has requests, else 0",
+                                   labels=["model"])
         for model, stats in self._source().items():
             for name, value in stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     fam = families.setdefault(name, GaugeMetricFamily(f"tollgate_engine_{name}",
                                                                       f"engine stat {name}", labels=["model"]))
                     fam.add_metric([model], float(value))
+            if "kv_cache_usage" in stats:
+                kv.add_metric([model], float(stats["kv_cache_usage"]))
+            if "busy_seconds" in stats and "idle_seconds" in stats:
+                busy.add_metric([model], float(stats["busy_seconds"]))
+                idle.add_metric([model], float(stats["idle_seconds"]))
+            if "num_running" in stats:
+                active.add_metric([model], 1.0 if stats["num_running"] or stats.get("num_waiting") else 0.0)
         yield from families.values()
+        yield from (kv, busy, idle, active)
+
+
+class _GpuMemory(Collector):
+    def __init__(self, source: GpuMemory) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily("tollgate_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
+        total = GaugeMetricFamily("tollgate_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
+        for gpu, u, t in self._source():
+            used.add_metric([gpu], float(u))
+            total.add_metric([gpu], float(t))
+        yield from (used, total)
+
+
+def nvml_memory() -> list[tuple[str, int, int]]:
+    """Memory of this host's visible GPUs through NVML; nothing where pynvml or a GPU is missing."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            out.append((str(i), int(info.used), int(info.total)))
+        return out
+    except Exception:
+        return []
+
+
+class _BudgetUse(Collector):
+    """Spend this month / monthly budget per budgeted tenant, read from the database at most every ttl_s."""
+
+    def __init__(self, db: Engine, ttl_s: float) -> None:
+        self._db, self._ttl_s = db, ttl_s
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self._rows: list[Any] = []
+
+    def _current(self) -> list[Any]:
+        from billing.budget_use import tenant_budget_use
+        from billing.periods import month_of
+
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= self._ttl_s:
+                try:
+                    self._rows = tenant_budget_use(self._db, month_of(time.time()))
+                except Exception:  # a database hiccup keeps the last values rather than failing the scrape
+                    pass
+                self._at = now
+            return self._rows
+
+    def collect(self) -> Iterator[Metric]:
+        ratio = GaugeMetricFamily("tollgate_tenant_budget_used_ratio", "Spend this month / monthly budget",
+                                  labels=["tenant"])
+        spent = GaugeMetricFamily("tollgate_tenant_month_spend_usd", "Spend this month (budgeted tenants)",
+                                  labels=["tenant"])
+        for row in self._current():
+            ratio.add_metric([row.tenant], row.ratio)
+            spent.add_metric([row.tenant], row.spent_usd)
+        yield from (ratio, spent)
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, dict[str, Any]]], ledger_backlog: Callable[[], int]) -> None:
+    def __init__(self, engine_stats: EngineStats, ledger_backlog: Callable[[], int], *,
+                 gpu_memory: GpuMemory | None = nvml_memory) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tollgate_requests", "Requests that reached a model, by outcome",
@@ -42,9 +129,47 @@ class Metrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("tollgate_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tollgate_time_per_output_token_seconds", "Time per output token after the first",
+                              ["model"], buckets=_TPOT_BUCKETS, registry=r)
+        self.cache_hits = Counter("tollgate_cache_hits", "Requests answered from the semantic cache", ["model"],
+                                  registry=r)
+        self.cache_saved = Counter("tollgate_cache_saved_usd", "List price of the answers the cache gave",
+                                   ["model"], registry=r)
+        self.tenant_spend = Counter("tollgate_tenant_spend_usd", "Cost charged per tenant", ["tenant"], registry=r)
+        self._tenant_labels: set[str] = set()
+        self._tenant_lock = threading.Lock()
         backlog = Gauge("tollgate_ledger_backlog", "Usage events not yet written", registry=r)
         backlog.set_function(lambda: float(ledger_backlog()))
         r.register(_EngineStats(engine_stats))
+        if gpu_memory is not None:
+            r.register(_GpuMemory(gpu_memory))
+
+    def cache_hit(self, model: str, saved_usd: float = 0.0) -> None:
+        self.cache_hits.labels(model).inc()
+        if saved_usd > 0:
+            self.cache_saved.labels(model).inc(saved_usd)
+
+    def add_spend(self, tenant: str, usd: float) -> None:
+        if usd > 0:
+            self.tenant_spend.labels(self._tenant_label(tenant)).inc(usd)
+
+    def observe_tpot(self, model: str, latency_s: float, ttft_s: float | None, completion_tokens: int) -> None:
+        """(end-to-end − first token) / (tokens − 1); needs a first-token time and two tokens."""
+        if ttft_s is not None and completion_tokens > 1 and latency_s >= ttft_s:
+            self.tpot.labels(model).observe((latency_s - ttft_s) / (completion_tokens - 1))
+
+    def watch_budgets(self, db: Engine, ttl_s: float = 15.0) -> None:
+        """Export tollgate_tenant_budget_used_ratio, read from the database at scrape time (cached ttl_s)."""
+        self.registry.register(_BudgetUse(db, ttl_s))
+
+    def _tenant_label(self, tenant: str) -> str:
+        with self._tenant_lock:
+            if tenant in self._tenant_labels:
+                return tenant
+            if len(self._tenant_labels) < MAX_TENANT_LABELS:
+                self._tenant_labels.add(tenant)
+                return tenant
+            return OTHER_TENANT
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
