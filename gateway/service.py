@@ -80,6 +80,7 @@ class Gateway:
         self.ledger = Ledger(db, max_batch=ledger_max_batch)
         self.limiter = Limiter(db, self.ledger)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
+        self.metrics.watch_budgets(db)
 
     def _engine_stats(self) -> dict[str, dict[str, Any]]:
         return {name: b.stats() for name, b in self.backends.items() if hasattr(b, "stats")}
@@ -209,6 +210,11 @@ class Gateway:
             cost_usd=cost, error=error,
         ))
         m = self.metrics
+        m.add_spend(p.tenant, cost)
+        if call.cache_hit:
+            m.cache_hit(call.model, self._list_price(call))
+        else:
+            m.observe_tpot(call.model, latency, call.ttft_s, call.completion_tokens)
         m.requests.labels(call.model, call.fmt.endpoint, status).inc()
         m.tokens.labels(call.model, "prompt").inc(call.prompt_tokens)
         m.tokens.labels(call.model, "completion").inc(call.completion_tokens)

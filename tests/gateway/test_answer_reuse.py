@@ -122,3 +122,12 @@ def test_admin_flush_removes_one_tenants_entries(reuse_server):
     assert done.status_code == 200 and done.json()["flushed"] >= 1
     assert chat(live, keys["alpha"], messages=question).headers["x-tollgate-cache"] == "miss"
     assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "hit"
+
+
+def test_metrics_count_cache_hits_and_tenant_spend(reuse_server):
+    live, _, keys = reuse_server
+    chat(live, keys["alpha"])  # served from the cache by now
+    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    hits = [line for line in text.splitlines() if line.startswith("tollgate_cache_hits_total{")]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1
+    assert any(line.startswith('tollgate_tenant_spend_usd_total{tenant="beta"}') for line in text.splitlines())
