@@ -139,3 +139,16 @@ class SpendCounter(Base):
     scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
     spent_usd: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class AdminKey(Base):
+    """An operator's key for the admin dashboard and API; stored only as its SHA-256 hash."""
+
+    __tablename__ = "admin_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(200))
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
