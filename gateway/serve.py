@@ -8,6 +8,8 @@ Builders for config files (KubeRay serveConfigV2, `serve run`): `gateway.serve:g
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -189,15 +191,32 @@ def model_application(spec: ModelSpec, settings: PlatformSettings, **deployment_
     actor_options: dict[str, Any] = {"num_cpus": spec.resources.num_cpus, "num_gpus": spec.resources.num_gpus}
     if spec.resources.memory_gib is not None:
         actor_options["memory"] = int(spec.resources.memory_gib * 2**30)
+    # autoscaling and pricing stay out of the replicas' arguments, and the version names only what the
+    # replicas are built from: changing the replica bounds or prices updates the running replicas in place
+    replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
+    args = (replica_spec, settings.db_url, settings.interval_flush_s)
+    version = hashlib.sha256(json.dumps([args, actor_options, _package_version()], sort_keys=True).encode())
+    version = version.hexdigest()[:16]
     deployment = ModelServer.options(
         autoscaling_config=spec.autoscaling.serve_config(),
         max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
         ray_actor_options=actor_options,
         **deployment_options,
     )
-    # autoscaling and pricing stay out of the replicas' arguments so that changing them does not restart replicas
-    replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
-    return deployment.bind(replica_spec, settings.db_url, settings.interval_flush_s)
+    # Serve gives every imperative deploy a random code version (a full restart) unless one is set;
+    # `options(version=)` is gone, so set the attribute serve.run reads
+    deployment._version = version
+    return deployment.bind(*args)
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tollgate")
+    except PackageNotFoundError:
+        return "dev"
 
 
 def gateway_application(settings: PlatformSettings) -> Application:

@@ -188,8 +188,7 @@ def test_replica_killed_mid_stream(platform: Platform) -> None:
                 continue
             events.append(line[6:])
             if not killed and len(events) >= 4:
-                [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                          if a["name"].startswith(f"SERVE_REPLICA::{model_app_name(m)}#")]
+                [name] = _replica_actors(m)
                 ray.kill(ray.get_actor(name, namespace=a_namespace(name)), no_restart=True)
                 killed = True
     assert killed and time.monotonic() - started < 60
@@ -205,6 +204,18 @@ def test_replica_killed_mid_stream(platform: Platform) -> None:
     wait_until(failed, 10, "the request to be recorded as failed")
     r2 = platform.chat(max_tokens=4)
     assert r2.status_code == 200, r2.text
+
+    # new replica bounds reach the running replica in place: no restart, no second cold start
+    before = _replica_actors(m)
+    ops.scale_model(platform.db, m, platform.settings, 0, 2)
+    assert ops.recorded_spec(platform.db, m).autoscaling.max_replicas == 2
+    time.sleep(1.0)
+    assert _replica_actors(m) == before and len(before) == 1
+
+
+def _replica_actors(model: str) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{model_app_name(model)}#")}
 
 
 def a_namespace(actor_name: str) -> str:
