@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy.orm import Session
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from billing.accounts import AccountError
 from billing.models import ApiKey

@@ -19,6 +19,7 @@ from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
+from gateway.dashboard import dashboard_router, session_secret
 from gateway.routes import router
 from gateway.service import Gateway
 from gateway.settings import Settings
@@ -60,9 +61,11 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app = FastAPI(title="Tollgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     app.state.admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    app.state.session_secret = session_secret(settings)
     errors.install(app)
     app.include_router(router)
     app.include_router(admin_router)
+    app.include_router(dashboard_router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 

@@ -1,0 +1,115 @@
+"""Keys: list tenants' API keys, create one (its secret is shown on this one response only), revoke
+one, change its limits."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from billing.accounts import AccountError, CreatedKey, create_key, list_keys, list_tenants, revoke_key
+from billing.key_limits import set_key_limits
+from gateway.dashboard.guard import admin_page, checked_form, gateway, redirect, signed_in
+from gateway.dashboard.session import AdminSession
+
+log = logging.getLogger("tollgate.dashboard")
+router = APIRouter()
+NOTICES = {"revoked": "Key revoked.", "limits": "Limits saved."}
+
+
+class FormError(ValueError):
+    pass
+
+
+def _optional_number(fields: dict[str, str], name: str, kind: type[int] | type[float]) -> int | float | None:
+    text = fields.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise FormError(f"{name}: expected a number or nothing, got {text[:40]!r}")
+    return value
+
+
+def _int(value: int | float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+async def _keys_page(request: Request, session: AdminSession, status_code: int = 200, *,
+                     created: CreatedKey | None = None, error: str | None = None) -> Response:
+    db = gateway(request).db
+    keys = await run_in_threadpool(list_keys, db)
+    tenants = await run_in_threadpool(list_tenants, db)
+    notice = NOTICES.get(request.query_params.get("done", ""))
+    return admin_page(request, session, "keys.html", status_code, title="Keys", keys=keys,
+                      tenants=[t.name for t in tenants], created=created, error=error, notice=notice)
+
+
+@router.get("/keys")
+async def keys(request: Request) -> Response:
+    session = await signed_in(request)
+    if isinstance(session, Response):
+        return session
+    return await _keys_page(request, session)
+
+
+@router.post("/keys")
+async def create(request: Request) -> Response:
+    session = await signed_in(request)
+    if isinstance(session, Response):
+        return session
+    fields = await checked_form(request, session)
+    if isinstance(fields, Response):
+        return fields
+    try:
+        created = await run_in_threadpool(
+            lambda: create_key(gateway(request).db, fields.get("tenant", ""),
+                               rpm=_int(_optional_number(fields, "rpm", int)),
+                               tpm=_int(_optional_number(fields, "tpm", int)),
+                               budget_usd=_optional_number(fields, "budget_usd", float),
+                               name=fields.get("name", "").strip() or None,
+                               project=fields.get("project", "").strip() or None))
+    except (AccountError, FormError) as e:
+        return await _keys_page(request, session, 400, error=str(e))
+    log.info("dashboard: key id %d created for a tenant", created.id)
+    return await _keys_page(request, session, created=created)
+
+
+@router.post("/keys/{key_id}/revoke")
+async def revoke(request: Request, key_id: int) -> Response:
+    session = await signed_in(request)
+    if isinstance(session, Response):
+        return session
+    fields = await checked_form(request, session)
+    if isinstance(fields, Response):
+        return fields
+    try:
+        await run_in_threadpool(revoke_key, gateway(request).db, str(key_id))
+    except AccountError as e:
+        return await _keys_page(request, session, 404, error=str(e))
+    log.info("dashboard: key id %d revoked", key_id)
+    return redirect(request, "/admin/keys?done=revoked")
+
+
+@router.post("/keys/{key_id}/limits")
+async def limits(request: Request, key_id: int) -> Response:
+    session = await signed_in(request)
+    if isinstance(session, Response):
+        return session
+    fields = await checked_form(request, session)
+    if isinstance(fields, Response):
+        return fields
+    try:
+        rpm, tpm = _optional_number(fields, "rpm", int), _optional_number(fields, "tpm", int)
+        budget = _optional_number(fields, "budget_usd", float)
+        await run_in_threadpool(lambda: set_key_limits(gateway(request).db, key_id, rpm=_int(rpm), tpm=_int(tpm),
+                                                       budget_usd=budget))
+    except (AccountError, FormError) as e:
+        return await _keys_page(request, session, 400, error=str(e))
+    return redirect(request, "/admin/keys?done=limits")

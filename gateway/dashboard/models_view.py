@@ -1,0 +1,49 @@
+"""The models the gateway serves, as its backends describe them (info()) plus the autoscaling bounds
+recorded with each deployment's spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from billing.models import ModelDeployment
+from gateway.backends import ModelBackend
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    name: str
+    state: str
+    max_model_len: int | None
+    live_replicas: int
+    min_replicas: int | None
+    max_replicas: int | None
+    input_per_1m: float
+    output_per_1m: float
+    gpu_hour: float
+
+
+def live_replicas(backend: ModelBackend) -> int:
+    """A backend's info() may report `replicas`; one that does not is a single in-process engine."""
+    info = backend.info()
+    reported = getattr(info, "replicas", None)
+    if isinstance(reported, int):
+        return reported
+    return 1 if info.state == "ready" else 0
+
+
+def model_rows(db: Engine, backends: dict[str, ModelBackend]) -> list[ModelRow]:
+    with Session(db) as s:
+        deployments = {d.name: d for d in s.scalars(select(ModelDeployment))}
+    rows = []
+    for name, backend in sorted(backends.items()):
+        info = backend.info()
+        dep = deployments.get(name)
+        scaling = (dep.spec or {}).get("autoscaling", {}) if dep is not None else {}
+        rows.append(ModelRow(name, info.state, info.max_model_len, live_replicas(backend),
+                             scaling.get("min_replicas"), scaling.get("max_replicas"),
+                             dep.input_per_1m if dep else 0.0, dep.output_per_1m if dep else 0.0,
+                             dep.gpu_hour if dep else 0.0))
+    return rows

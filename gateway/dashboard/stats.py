@@ -1,0 +1,116 @@
+"""What the Overview and Tenants pages show, read from SQL (sync; call through a thread pool).
+Spend is the ledger's billed cost (UsageEvent.cost_usd); days are UTC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+
+from sqlalchemy import Engine, case, func, select
+
+from billing.models import ApiKey, Tenant, UsageEvent
+from billing.report_query import day_of, within
+from billing.reports import gpu_by_model, usage_by_tenant_day_model
+
+
+def today_utc() -> date:
+    return datetime.now(timezone.utc).date()
+
+
+def month_start(day: date) -> date:
+    return day.replace(day=1)
+
+
+@dataclass(frozen=True)
+class Totals:
+    spend_usd: float
+    requests: int
+    tokens: int
+    cache_hits: int
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hits / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class Overview:
+    today: Totals
+    month: Totals
+    cache_savings_usd: float  # this month, at list prices
+    gpu_alive_h: float  # this month
+    gpu_idle_rate: float
+
+
+def _totals(db: Engine, since: date) -> Totals:
+    ev = UsageEvent
+    q = select(func.coalesce(func.sum(ev.cost_usd), 0.0), func.count(ev.id),
+               func.coalesce(func.sum(ev.prompt_tokens + ev.completion_tokens), 0),
+               func.coalesce(func.sum(case((ev.cache_hit.is_(True), 1), else_=0)), 0))
+    with db.connect() as conn:
+        spend, requests, tokens, hits = conn.execute(within(q, ev.created_at, since, None)).one()
+    return Totals(float(spend), int(requests), int(tokens), int(hits))
+
+
+def overview(db: Engine) -> Overview:
+    day = today_utc()
+    start = month_start(day)
+    savings = float(usage_by_tenant_day_model(db, since=start)["cache_savings_usd"].sum())
+    gpu = gpu_by_model(db, since=start)
+    alive, busy = float(gpu["alive_h"].sum()), float(gpu["busy_h"].sum())
+    return Overview(_totals(db, day), _totals(db, start), savings, alive, (alive - busy) / alive if alive else 0.0)
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    name: str
+    budget_usd: float | None
+    active_keys: int
+    requests_month: int
+    spend_month_usd: float
+    spend_total_usd: float
+
+
+def tenant_rows(db: Engine) -> list[TenantRow]:
+    ev = UsageEvent
+    start = month_start(today_utc())
+    in_month = ev.created_at >= datetime(start.year, start.month, 1, tzinfo=timezone.utc)
+    spend = (select(ev.tenant_id.label("tid"), func.sum(ev.cost_usd).label("total"),
+                    func.sum(case((in_month, ev.cost_usd), else_=0.0)).label("month"),
+                    func.sum(case((in_month, 1), else_=0)).label("requests"))
+             .group_by(ev.tenant_id).subquery())
+    keys = (select(ApiKey.tenant_id.label("tid"), func.count(ApiKey.id).label("n"))
+            .where(ApiKey.revoked.is_(False)).group_by(ApiKey.tenant_id).subquery())
+    q = (select(Tenant.name, Tenant.budget_usd, keys.c.n, spend.c.requests, spend.c.month, spend.c.total)
+         .outerjoin(spend, spend.c.tid == Tenant.id).outerjoin(keys, keys.c.tid == Tenant.id)
+         .order_by(Tenant.name))
+    with db.connect() as conn:
+        return [TenantRow(n, b, int(k or 0), int(r or 0), float(m or 0.0), float(t or 0.0))
+                for n, b, k, r, m, t in conn.execute(q)]
+
+
+@dataclass(frozen=True)
+class DailyCost:
+    day: date
+    cost_usd: float
+
+
+def tenant_daily_cost(db: Engine, tenant: str, days: int) -> list[DailyCost]:
+    """One entry per UTC day of the last `days` days (today included), zero where nothing was spent."""
+    end = today_utc()
+    first = end - timedelta(days=days - 1)
+    ev = UsageEvent
+    day = day_of(ev.created_at).label("day")
+    q = (select(day, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
+         .where(Tenant.name == tenant).group_by(day))
+    with db.connect() as conn:
+        spent = {d: float(c) for d, c in conn.execute(within(q, ev.created_at, first, end + timedelta(days=1)))}
+    return [DailyCost(d, spent.get(d.isoformat(), 0.0)) for d in (first + timedelta(n) for n in range(days))]
+
+
+def tenant_cost_by_model(db: Engine, tenant: str, since: date) -> list[tuple[str, float]]:
+    ev = UsageEvent
+    q = (select(ev.model, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
+         .where(Tenant.name == tenant).group_by(ev.model).order_by(ev.model))
+    with db.connect() as conn:
+        return [(m, float(c)) for m, c in conn.execute(within(q, ev.created_at, since, None))]
