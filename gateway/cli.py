@@ -239,6 +239,7 @@ def _serve_platform(ps, specs: list, key: str | None) -> int:  # type: ignore[no
     from gateway import platform_ops as ops
 
     db = _db(ps)
+    _prepare_checkpoints(specs)
     started = ops.connect(ps.ray_address, start_local=True, quiet=False)
     serve.start(http_options={"host": ps.host, "port": ps.port})
     for spec in specs:
@@ -275,6 +276,17 @@ def _serve_platform(ps, specs: list, key: str | None) -> int:  # type: ignore[no
     else:
         print("left the platform running on the Ray cluster", file=sys.stderr)
     return 0
+
+
+def _prepare_checkpoints(specs: list) -> None:  # type: ignore[type-arg]
+    """Convert GGUF sources here once, so that even the first cold start on this node loads fast."""
+    from gateway.model_cache import prepared_source
+
+    for spec in specs:
+        try:
+            prepared_source(spec.source)
+        except (ValueError, OSError) as e:  # the replica reports a bad source when it starts
+            print(f"note: {spec.name}: source not prepared here ({e})", file=sys.stderr)
 
 
 def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:

@@ -26,6 +26,7 @@ from billing.replica_intervals import IntervalRecorder
 from gateway.app import create_app
 from gateway.backends import GenerationChunk, GenerationRequest, LocalEngineBackend, ModelBackend
 from gateway.gpu_sampler import GpuSampler
+from gateway.model_cache import prepared_source
 from gateway.platform_settings import PlatformSettings
 from gateway.ray_backend import PlatformHeaders, RayModelBackend, ReplicaAccepted
 from gateway.specs import ModelSpec, load_spec, parse_spec
@@ -51,7 +52,9 @@ class ModelServer:
         self.spec = parse_spec(spec_data)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
-        self.backend = LocalEngineBackend(self.spec)
+        # a GGUF source is converted once per node; later cold starts load the converted directory
+        source = await asyncio.to_thread(prepared_source, self.spec.source)
+        self.backend = LocalEngineBackend(self.spec.model_copy(update={"source": source}))
         self.db = make_engine(db_url)
         self.recorder = IntervalRecorder(self.db, self.spec.name, self.replica, self._busy_seconds,
                                          flush_every_s=interval_flush_s, started_at=started)
