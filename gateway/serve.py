@@ -178,7 +178,14 @@ class GatewayIngress:
         self.registry = _ModelRegistry(app.state.gateway, self.settings, self.db)
         await asyncio.to_thread(self.registry.start)
         self.gateway = app.state.gateway
+        app.state.scale_model = self.scale_model  # the admin dashboard's scale hook
         return app
+
+    def scale_model(self, name: str, min_replicas: int, max_replicas: int) -> None:
+        """New replica bounds for a model, recorded and applied in place (the dashboard and handles call it)."""
+        from gateway.platform_ops import scale_model
+
+        scale_model(self.db, name, self.settings, min_replicas, max_replicas)
 
     def stats(self) -> dict[str, Any]:
         """What `platform status` shows from the gateway's side, per model."""

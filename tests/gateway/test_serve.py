@@ -27,7 +27,7 @@ from billing.models import ReplicaInterval, UsageEvent  # noqa: E402
 from gateway import platform_ops as ops  # noqa: E402
 from gateway.platform_settings import PlatformSettings  # noqa: E402
 from gateway.ray_backend import COLD_START_HEADER, REQUEST_ID_HEADER  # noqa: E402
-from gateway.serve import MODEL_APP_PREFIX, model_app_name  # noqa: E402
+from gateway.serve import GATEWAY_APP, MODEL_APP_PREFIX, model_app_name  # noqa: E402
 from gateway.specs import ModelSpec, load_spec  # noqa: E402
 from tests.billing.dbutil import fresh_database  # noqa: E402
 from tests.gateway.live import free_port  # noqa: E402
@@ -238,6 +238,9 @@ def test_deploy_scale_delete_status(platform: Platform) -> None:
 
     ops.scale_model(platform.db, "smollm2-other", platform.settings, 0, 2)
     assert ops.recorded_spec(platform.db, "smollm2-other").autoscaling.max_replicas == 2
+    # the gateway's scale hook (the admin dashboard's) does the same from inside the cluster
+    serve.get_app_handle(GATEWAY_APP).scale_model.remote("smollm2-other", 0, 3).result(timeout_s=60)
+    assert ops.recorded_spec(platform.db, "smollm2-other").autoscaling.max_replicas == 3
     ops.delete_model("smollm2-other")
     wait_until(lambda: not _listed_name(platform, "smollm2-other"), 15, "the second model to go")
     assert not any(a.startswith(MODEL_APP_PREFIX + "smollm2-other") for a in serve.status().applications)
