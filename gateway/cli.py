@@ -113,7 +113,26 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("--model", help="with --gpu: only this model")
     usage.add_argument("--json", action="store_true")
     usage.set_defaults(func=cmd_usage)
+
+    cache = sub.add_parser("cache", help="semantic cache")
+    c_sub = cache.add_subparsers(required=True, metavar="ACTION")
+    ce = c_sub.add_parser("eval", help="hit and false-hit rates of the shipped cache on {a, b, duplicate} pairs")
+    ce.add_argument("--pairs", type=Path, required=True, help='JSONL of {"a", "b", "duplicate"}')
+    ce.add_argument("--json", action="store_true")
+    ce.set_defaults(func=cmd_cache_eval)
+
+    from gateway import cli_admin, cli_reports
+
+    load = lambda a: Settings.load(home=a.home, database_url=a.database_url)  # noqa: E731
+    cli_reports.register(sub, load)
+    cli_admin.register(sub, load)
     return p
+
+
+def cmd_cache_eval(args: argparse.Namespace, _: Settings) -> int:
+    from cache import eval as cache_eval
+
+    return cache_eval.main(["--pairs", str(args.pairs)] + (["--json"] if args.json else []))
 
 
 def _date(text: str) -> datetime:
