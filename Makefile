@@ -17,6 +17,10 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 	@# promtool checks the Prometheus alert rules in the tests; where apt cannot install it, those tests skip
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus) >/dev/null 2>&1 \
 		|| echo "promtool not installed: the alert-rule tests will be skipped"
+	@# chromium + chromedriver run the admin dashboard's browser test; where apt cannot install them, that test skips
+	@(command -v chromium && command -v chromedriver) >/dev/null 2>&1 \
+		|| (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+		|| echo "chromium not installed: the dashboard browser test will be skipped"
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		echo "GPU found: installing torch from pyproject"; \
 	else \
