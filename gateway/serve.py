@@ -29,6 +29,7 @@ from gateway.gpu_sampler import GpuSampler
 from gateway.model_cache import prepared_source
 from gateway.platform_settings import PlatformSettings
 from gateway.ray_backend import PlatformHeaders, RayModelBackend, ReplicaAccepted
+from gateway.serve_cache import SemanticCacheServer, ServeCacheClient
 from gateway.specs import ModelSpec, load_spec, parse_spec
 
 log = logging.getLogger("tollgate.serve")
@@ -164,16 +165,20 @@ def _state(app_status: str) -> Any:
 class GatewayIngress:
     """The OpenAI API of gateway/app.py as the Serve ingress; model calls go through RayModelBackends."""
 
-    async def __init__(self, settings: PlatformSettings) -> None:
+    async def __init__(self, settings: PlatformSettings, cache_handle: Any = None) -> None:
         self.settings = settings
         self.db = make_engine(self.settings.db_url)
         self.registry: _ModelRegistry | None = None
+        self.cache_handle = cache_handle  # the shared SemanticCache deployment, when the cache is on
 
     async def __serve_build_asgi_app__(self) -> Any:
         # the specs deployed now, for what create_app derives from them (router sides, cache groups);
         # models deployed later reach the gateway through the registry (backends and prices)
         specs = await asyncio.to_thread(_deployed_specs, self.db)
-        app = create_app(self.settings, self.db, {}, specs)
+        # the cache lives in its own deployment, shared by every gateway replica, not in this process
+        app = create_app(self.settings.model_copy(update={"semantic_cache": False}), self.db, {}, specs)
+        if self.cache_handle is not None:
+            app.state.gateway.reuse.cache = ServeCacheClient(self.cache_handle)
         app.add_middleware(PlatformHeaders, retry_after_s=self.settings.retry_after_s)
         self.registry = _ModelRegistry(app.state.gateway, self.settings, self.db)
         await asyncio.to_thread(self.registry.start)
@@ -230,7 +235,8 @@ def _package_version() -> str:
 
 
 def gateway_application(settings: PlatformSettings) -> Application:
-    return GatewayIngress.bind(settings)
+    cache = SemanticCacheServer.bind(settings) if settings.semantic_cache else None
+    return GatewayIngress.bind(settings, cache)
 
 
 # ---- builders for Serve config files (serveConfigV2 import_path) ---------------------------------

@@ -285,3 +285,31 @@ def test_no_replica_within_the_bound_is_unavailable(platform: Platform) -> None:
 def _listed_name(p: Platform, name: str) -> bool:
     r = httpx.get(f"{p.url}/v1/models", headers={"Authorization": f"Bearer {p.key}"}, timeout=5)
     return any(m["id"] == name for m in r.json()["data"])
+
+
+def test_shared_cache_deployment(platform: Platform) -> None:
+    """Last in this module: it redeploys the gateway with the semantic cache as its own deployment."""
+    ops.deploy_gateway(platform.settings.model_copy(update={"semantic_cache": True}))
+    wait_until(lambda: _listed(platform), 60, "the gateway with the cache to list the model")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def ask() -> httpx.Response:
+        body = {"model": platform.model, "messages": question, "max_tokens": 6, "temperature": 0.0}
+        return httpx.post(f"{platform.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {platform.key}"})
+
+    first = ask()
+    assert first.status_code == 200 and first.headers["x-tollgate-cache"] == "miss"
+    again = ask()
+    assert again.status_code == 200 and again.headers["x-tollgate-cache"] == "hit"
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    cache_replicas = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith(f"SERVE_REPLICA::{GATEWAY_APP}#SemanticCache")}
+    assert len(cache_replicas) == 1
+
+    # the cache deployment down: requests go straight to the model
+    [name] = cache_replicas
+    ray.kill(ray.get_actor(name, namespace=a_namespace(name)), no_restart=True)
+    down = ask()
+    assert down.status_code == 200, down.text
+    assert down.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]

@@ -1,0 +1,57 @@
+"""The semantic cache as one Ray Serve deployment that every gateway replica shares, so an answer
+stored through one gateway is a hit through all of them. Gateways reach it through `ServeCacheClient`,
+which has the cache's own lookup/store/flush API; when the deployment is down, lookups raise and the
+gateway sends the request to the model (gateway/answer_reuse.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from cache.namespace import Namespace
+from cache.types import Hit
+from gateway.app import open_semantic_cache
+from gateway.settings import Settings
+
+LOOKUP_TIMEOUT_S = 5.0
+
+
+@serve.deployment(name="SemanticCache", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class SemanticCacheServer:
+    def __init__(self, settings: Settings) -> None:
+        self.cache = open_semantic_cache(settings)
+        if self.cache is None:
+            raise RuntimeError("the semantic cache could not start (see the replica's log)")
+
+    def lookup(self, namespace: Namespace, prompt: str) -> Hit | None:
+        return self.cache.lookup(namespace, prompt)
+
+    def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
+        return self.cache.store(namespace, prompt, answer, usage)
+
+    def flush(self, tenant: str) -> int:
+        return self.cache.flush(tenant)
+
+    def __del__(self) -> None:
+        if getattr(self, "cache", None) is not None:
+            self.cache.close()
+
+
+class ServeCacheClient:
+    """Blocking calls to the shared cache deployment; the gateway makes them from worker threads."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def lookup(self, namespace: Namespace, prompt: str) -> Hit | None:
+        return self.handle.lookup.remote(namespace, prompt).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
+        return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    def flush(self, tenant: str) -> int:
+        return self.handle.flush.remote(tenant).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    def close(self) -> None:
+        """The deployment owns the cache; a gateway replica going away leaves it open."""
