@@ -57,6 +57,8 @@ class BackendInfo:
     name: str
     max_model_len: int | None
     state: BackendState
+    replicas: int | None = None  # replicas serving now
+    replica_states: dict[str, int] | None = None  # e.g. {"running": 2, "starting": 1}
 
 
 @runtime_checkable
@@ -104,7 +106,9 @@ class LocalEngineBackend:
 
     def info(self) -> BackendInfo:
         max_len = self._engine.max_model_len if self._engine is not None else self._fields.get("max_model_len")
-        return BackendInfo(self.spec.name, max_len, self._state)
+        ready = self._state == "ready"
+        states = {"running": 1} if ready else {"starting": 1} if self._state == "loading" else {}
+        return BackendInfo(self.spec.name, max_len, self._state, 1 if ready else 0, states)
 
     def stats(self) -> dict[str, Any]:
         return self._engine.stats() if self._engine is not None else {}

@@ -80,28 +80,38 @@ def nvml_memory() -> list[tuple[str, int, int]]:
         return []
 
 
-class _BudgetUse(Collector):
-    """Spend this month / monthly budget per budgeted tenant, read from the database at most every ttl_s."""
+class _Refreshed:
+    """A value read at most every ttl_s; a failed read (a database hiccup) keeps the last value
+    rather than failing the scrape."""
 
-    def __init__(self, db: Engine, ttl_s: float) -> None:
-        self._db, self._ttl_s = db, ttl_s
+    def __init__(self, read: Callable[[], Any], ttl_s: float, initial: Any) -> None:
+        self._read, self._ttl_s, self._value = read, ttl_s, initial
         self._lock = threading.Lock()
         self._at = float("-inf")
-        self._rows: list[Any] = []
 
-    def _current(self) -> list[Any]:
-        from billing.budget_use import tenant_budget_use
-        from billing.periods import month_of
-
+    def get(self) -> Any:
         with self._lock:
             now = time.monotonic()
             if now - self._at >= self._ttl_s:
                 try:
-                    self._rows = tenant_budget_use(self._db, month_of(time.time()))
-                except Exception:  # a database hiccup keeps the last values rather than failing the scrape
+                    self._value = self._read()
+                except Exception:
                     pass
                 self._at = now
-            return self._rows
+            return self._value
+
+
+class _BudgetUse(Collector):
+    """Spend this month / monthly budget per budgeted tenant, read from the database at most every ttl_s."""
+
+    def __init__(self, db: Engine, ttl_s: float) -> None:
+        from billing.budget_use import tenant_budget_use
+        from billing.periods import month_of
+
+        self._rows = _Refreshed(lambda: tenant_budget_use(db, month_of(time.time())), ttl_s, [])
+
+    def _current(self) -> list[Any]:
+        return self._rows.get()
 
     def collect(self) -> Iterator[Metric]:
         ratio = GaugeMetricFamily("tollgate_tenant_budget_used_ratio", "Spend this month / monthly budget",
@@ -112,6 +122,44 @@ class _BudgetUse(Collector):
             ratio.add_metric([row.tenant], row.ratio)
             spent.add_metric([row.tenant], row.spent_usd)
         yield from (ratio, spent)
+
+
+class _GpuIdleRate(Collector):
+    """Per model, the share of replica time in the last `window_s` in which the engine had no work
+    (from ReplicaInterval rows, which every replica writes)."""
+
+    def __init__(self, db: Engine, ttl_s: float, window_s: float) -> None:
+        self._rates = _Refreshed(lambda: self._read(db, window_s), ttl_s, {})
+
+    @staticmethod
+    def _read(db: Engine, window_s: float) -> dict[str, float]:
+        from datetime import datetime, timedelta, timezone
+
+        from billing.gpu_usage import gpu_usage_frame
+
+        frame = gpu_usage_frame(db, since=datetime.now(timezone.utc) - timedelta(seconds=window_s))
+        totals = frame.groupby("model")[["alive_h", "idle_h"]].sum()
+        return {m: float(r.idle_h / r.alive_h) for m, r in totals.iterrows() if r.alive_h > 0}
+
+    def collect(self) -> Iterator[Metric]:
+        idle = GaugeMetricFamily("tollgate_model_gpu_idle_ratio",
+                                 "Share of replica time with no work, over the last hour", labels=["model"])
+        for model, rate in self._rates.get().items():
+            idle.add_metric([model], rate)
+        yield idle
+
+
+class _Replicas(Collector):
+    def __init__(self, source: Callable[[], dict[str, dict[str, int]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = GaugeMetricFamily("tollgate_model_replicas", "Replicas of each model by state",
+                                     labels=["model", "state"])
+        for model, states in self._source().items():
+            for state, count in states.items():
+                replicas.add_metric([model, state], float(count))
+        yield replicas
 
 
 class Metrics:
@@ -161,6 +209,14 @@ class Metrics:
     def watch_budgets(self, db: Engine, ttl_s: float = 15.0) -> None:
         """Export tollgate_tenant_budget_used_ratio, read from the database at scrape time (cached ttl_s)."""
         self.registry.register(_BudgetUse(db, ttl_s))
+
+    def watch_gpu_idle(self, db: Engine, ttl_s: float = 15.0, window_s: float = 3600.0) -> None:
+        """Export tollgate_model_gpu_idle_ratio from the replicas' interval rows (cached ttl_s)."""
+        self.registry.register(_GpuIdleRate(db, ttl_s, window_s))
+
+    def watch_replicas(self, source: Callable[[], dict[str, dict[str, int]]]) -> None:
+        """Export tollgate_model_replicas{model, state} from `source`: model -> state -> count."""
+        self.registry.register(_Replicas(source))
 
     def _tenant_label(self, tenant: str) -> str:
         with self._tenant_lock:

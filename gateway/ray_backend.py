@@ -55,11 +55,13 @@ class RayModelBackend:
         self.max_model_len = max_model_len
         self.cold_start_timeout_s = cold_start_timeout_s
         self.state: BackendState = "ready"
+        self.replica_states: dict[str, int] = {}  # kept current by the gateway's model registry
         self.counters = ModelCounters()
         self._live: dict[str, Any] = {}
 
     def info(self) -> BackendInfo:
-        return BackendInfo(self.name, self.max_model_len, self.state)
+        return BackendInfo(self.name, self.max_model_len, self.state, self.replica_states.get("running", 0),
+                           dict(self.replica_states))
 
     async def abort(self, request_id: str) -> None:
         response = self._live.pop(request_id, None)

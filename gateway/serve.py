@@ -137,6 +137,9 @@ class _ModelRegistry:
                 backend = RayModelBackend(name, handle, max_model_len=max_len,
                                           cold_start_timeout_s=self.settings.cold_start_timeout_s)
             backend.state = _state(str(app.status))
+            deployment = app.deployments.get(MODEL_DEPLOYMENT)
+            backend.replica_states = {} if deployment is None else {
+                str(state).rsplit(".", 1)[-1].lower(): count for state, count in deployment.replica_states.items()}
             backends[name] = backend
             if spec is not None:
                 prices[name] = spec.pricing.prices()

@@ -81,6 +81,8 @@ class Gateway:
         self.limiter = Limiter(db, self.ledger)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
         self.metrics.watch_budgets(db)
+        self.metrics.watch_gpu_idle(db)
+        self.metrics.watch_replicas(lambda: {name: b.info().replica_states or {} for name, b in self.backends.items()})
 
     def _engine_stats(self) -> dict[str, dict[str, Any]]:
         return {name: b.stats() for name, b in self.backends.items() if hasattr(b, "stats")}

@@ -4,6 +4,7 @@ never cross tenants, are billed at the cache price, and `model: "auto"` is route
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from billing.accounts import create_key, create_tenant
 from billing.db import make_engine
-from billing.models import UsageEvent
+from billing.models import ReplicaInterval, UsageEvent
 from tests.gateway.conftest import MODEL, make_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -125,9 +126,15 @@ def test_admin_flush_removes_one_tenants_entries(reuse_server):
 
 
 def test_metrics_count_cache_hits_and_tenant_spend(reuse_server):
-    live, _, keys = reuse_server
+    live, db, keys = reuse_server
     chat(live, keys["alpha"])  # served from the cache by now
+    now = datetime.now(timezone.utc)
+    with Session(db) as s, s.begin():  # one replica alive 2 minutes, busy 30 s of them
+        s.add(ReplicaInterval(model=MODEL, replica="r1", start=now - timedelta(minutes=3),
+                              end=now - timedelta(minutes=1), busy_s=30.0, idle_s=90.0))
     text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    assert f'tollgate_model_replicas{{model="{MODEL}",state="running"}} 1.0' in text
+    assert f'tollgate_model_gpu_idle_ratio{{model="{MODEL}"}} 0.75' in text
     hits = [line for line in text.splitlines() if line.startswith("tollgate_cache_hits_total{")]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1
     assert any(line.startswith('tollgate_tenant_spend_usd_total{tenant="beta"}') for line in text.splitlines())
