@@ -42,6 +42,7 @@ class AnswerReuse:
     def __init__(self, cache: SemanticCache | None, route_specs: Sequence[Mapping[str, Any]]) -> None:
         self.cache = cache
         self.route_specs = [RouteSpec.from_mapping(s) for s in route_specs]
+        self._pending: set[asyncio.Task[None]] = set()
 
     def route(self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None) -> RouteDecision:
         if not self.route_specs:
@@ -61,9 +62,19 @@ class AnswerReuse:
             return CacheOutcome(None)
         return CacheOutcome(decision, hit)
 
-    async def store(self, decision: CacheDecision, answer: str, usage: dict[str, Any]) -> None:
+    def store_later(self, decision: CacheDecision, answer: str, usage: dict[str, Any]) -> None:
+        """Stores the answer in the background: the response never waits for the cache."""
         if self.cache is None or not answer:
             return
+        task = asyncio.get_running_loop().create_task(self._store(decision, answer, usage))
+        self._pending.add(task)  # a reference until it is done, so it is not collected mid-flight
+        task.add_done_callback(self._pending.discard)
+
+    @property
+    def pending_stores(self) -> int:
+        return len(self._pending)
+
+    async def _store(self, decision: CacheDecision, answer: str, usage: dict[str, Any]) -> None:
         try:
             await asyncio.to_thread(self.cache.store, decision.namespace, decision.prompt, answer, usage)
         except Exception:

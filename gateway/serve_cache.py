@@ -14,7 +14,8 @@ from cache.types import Hit
 from gateway.app import open_semantic_cache
 from gateway.settings import Settings
 
-LOOKUP_TIMEOUT_S = 5.0
+LOOKUP_TIMEOUT_S = 1.0  # a lookup takes milliseconds; past this the model answers instead
+STORE_TIMEOUT_S = 10.0  # stores run after the response, off the request path
 
 
 @serve.deployment(name="SemanticCache", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -48,10 +49,10 @@ class ServeCacheClient:
         return self.handle.lookup.remote(namespace, prompt).result(timeout_s=LOOKUP_TIMEOUT_S)
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
-        return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=LOOKUP_TIMEOUT_S)
+        return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=STORE_TIMEOUT_S)
 
     def flush(self, tenant: str) -> int:
-        return self.handle.flush.remote(tenant).result(timeout_s=LOOKUP_TIMEOUT_S)
+        return self.handle.flush.remote(tenant).result(timeout_s=STORE_TIMEOUT_S)
 
     def close(self) -> None:
         """The deployment owns the cache; a gateway replica going away leaves it open."""

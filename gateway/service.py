@@ -190,7 +190,7 @@ class Gateway:
                 await call.backend.abort(call.request_id)
             self.record(call, status, error)
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
-                await self.reuse.store(call.cache_decision, "".join(call.answer_parts), {
+                self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
                     "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
                     "cost_usd": self._list_price(call)})
 

@@ -4,6 +4,7 @@ never cross tenants, are billed at the cache price, and `model: "auto"` is route
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
@@ -37,9 +38,14 @@ def reuse_server(tmp_path_factory, backend, spec):
 
 
 def chat(live, key: str, **body) -> httpx.Response:
+    """One request, returned once the gateway has stored its answer (stores run after the response)."""
     payload = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0, **body}
-    return httpx.post(f"{live.url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"},
-                      timeout=120)
+    response = httpx.post(f"{live.url}/v1/chat/completions", json=payload,
+                          headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    deadline = time.monotonic() + 30
+    while live.gateway.reuse.pending_stores and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return response
 
 
 def events(live, db) -> list[UsageEvent]:

@@ -300,8 +300,9 @@ def test_shared_cache_deployment(platform: Platform) -> None:
 
     first = ask()
     assert first.status_code == 200 and first.headers["x-tollgate-cache"] == "miss"
-    again = ask()
-    assert again.status_code == 200 and again.headers["x-tollgate-cache"] == "hit"
+    # the gateway stores the answer after responding; the repeat hits once the store has landed
+    again = wait_until(lambda: (r := ask()).headers.get("x-tollgate-cache") == "hit" and r, 30, "a cache hit", 0.5)
+    assert again.status_code == 200
     assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
     cache_replicas = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                       if a["name"].startswith(f"SERVE_REPLICA::{GATEWAY_APP}#SemanticCache")}
