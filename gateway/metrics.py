@@ -135,11 +135,10 @@ class _GpuIdleRate(Collector):
     def _read(db: Engine, window_s: float) -> dict[str, float]:
         from datetime import datetime, timedelta, timezone
 
-        from billing.gpu_usage import gpu_usage_frame
+        from billing.reports import gpu_by_model
 
-        frame = gpu_usage_frame(db, since=datetime.now(timezone.utc) - timedelta(seconds=window_s))
-        totals = frame.groupby("model")[["alive_h", "idle_h"]].sum()
-        return {m: float(r.idle_h / r.alive_h) for m, r in totals.iterrows() if r.alive_h > 0}
+        frame = gpu_by_model(db, since=datetime.now(timezone.utc) - timedelta(seconds=window_s))
+        return {row.model: float(row.idle_rate) for row in frame.itertuples() if row.alive_h > 0}
 
     def collect(self) -> Iterator[Metric]:
         idle = GaugeMetricFamily("tollgate_model_gpu_idle_ratio",

@@ -133,7 +133,9 @@ def test_admin_flush_removes_one_tenants_entries(reuse_server):
 
 def test_metrics_count_cache_hits_and_tenant_spend(reuse_server):
     live, db, keys = reuse_server
-    chat(live, keys["alpha"])  # served from the cache by now
+    chat(live, keys["alpha"])
+    assert chat(live, keys["alpha"]).headers["x-tollgate-cache"] == "hit"
+    chat(live, keys["beta"], messages=[{"role": "user", "content": "Spell 'metrics'."}])  # beta spends
     now = datetime.now(timezone.utc)
     with Session(db) as s, s.begin():  # one replica alive 2 minutes, busy 30 s of them
         s.add(ReplicaInterval(model=MODEL, replica="r1", start=now - timedelta(minutes=3),
