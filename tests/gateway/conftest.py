@@ -13,24 +13,12 @@ from gateway.app import create_app
 from gateway.backends import LocalEngineBackend
 from gateway.settings import Settings
 from gateway.specs import ModelSpec, load_spec
+from tests.billing.conftest import db, db_url  # noqa: F401 - the same fresh-database fixtures as billing's
 from tests.billing.dbutil import fresh_database
 from tests.gateway.live import LiveServer, start
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
 MODEL = "smollm2-135m"
-
-
-@pytest.fixture
-def db_url(tmp_path) -> Iterator[str]:
-    with fresh_database(tmp_path) as url:
-        yield url
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Engine]:
-    engine = make_engine(db_url)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture(scope="session")
