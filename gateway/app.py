@@ -19,7 +19,7 @@ from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
-from gateway.dashboard import dashboard_router, session_secret
+from gateway.dashboard import install_dashboard, session_secret
 from gateway.routes import router
 from gateway.service import Gateway
 from gateway.settings import Settings
@@ -65,7 +65,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     errors.install(app)
     app.include_router(router)
     app.include_router(admin_router)
-    app.include_router(dashboard_router)
+    install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 

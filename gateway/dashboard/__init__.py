@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI
 
 from gateway.dashboard import auth_routes, keys_routes, models_routes, pages_routes
+from gateway.dashboard.guard import Refused, send_refusal
 from gateway.dashboard.session import session_secret
 
 dashboard_router = APIRouter(include_in_schema=False)
 for _module in (auth_routes, pages_routes, keys_routes, models_routes):
     dashboard_router.include_router(_module.router, prefix="/admin")
 
-__all__ = ["dashboard_router", "session_secret"]
+
+
+def install_dashboard(app: FastAPI) -> None:
+    """The /admin pages, and the redirects and error pages their guards raise."""
+    app.include_router(dashboard_router)
+    app.add_exception_handler(Refused, send_refusal)
+
+
+__all__ = ["dashboard_router", "install_dashboard", "session_secret"]

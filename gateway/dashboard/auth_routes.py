@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import FileResponse, Response
 
 from billing.admin_keys import check_admin_key
-from gateway.dashboard.guard import checked_form, codec, gateway, read_session, redirect, set_cookie, signed_in
+from gateway.dashboard.guard import (AdminForm, admin_form, checked_form, codec, gateway, read_session, redirect,
+                                     set_cookie)
 from gateway.dashboard.render import TEMPLATES, page, secure
 from gateway.dashboard.session import COOKIE
 
@@ -40,8 +41,6 @@ async def login(request: Request) -> Response:
     if session is None:
         return _login_page(request, 403, "Your sign-in form expired. Please try again.")
     fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
     key = fields.get("key", "").strip()
     key_id = await run_in_threadpool(check_admin_key, gateway(request).db, key, request.app.state.admin_key)
     if key_id is None:
@@ -55,13 +54,8 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-async def logout(request: Request) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
-    fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
+async def logout(request: Request, form: AdminForm = Depends(admin_form)) -> Response:
+    session = form.session
     codec(request).end(session)
     response = redirect(request, "/admin/login")
     response.delete_cookie(COOKIE, path="/admin", httponly=True, samesite="strict")

@@ -4,10 +4,11 @@ hidden CSRF field matches the session's token. Failures become pages or redirect
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-from fastapi import Request
+from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import RedirectResponse, Response
 
@@ -45,12 +46,36 @@ def redirect(request: Request, path: str) -> Response:
     return secure(RedirectResponse(path, status_code=303))
 
 
-async def signed_in(request: Request) -> AdminSession | Response:
-    """The session, or a redirect to the sign-in page."""
+class Refused(Exception):
+    """Raised by the dashboard's guards: the response (a redirect or an error page) to send instead."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def send_refusal(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refused)
+    return exc.response
+
+
+async def admin_session(request: Request) -> AdminSession:
+    """Dependency: the signed-in session; otherwise a redirect to the sign-in page."""
     session = read_session(request)
     if session is None or session.key_id is None or not await _key_valid(request, session.key_id):
-        return redirect(request, LOGIN_PATH)
+        raise Refused(redirect(request, LOGIN_PATH))
     return session
+
+
+@dataclass
+class AdminForm:
+    session: AdminSession
+    fields: dict[str, str]
+
+
+async def admin_form(request: Request, session: AdminSession = Depends(admin_session)) -> AdminForm:
+    """Dependency for POSTs: the signed-in session and its form's fields, CSRF token checked."""
+    return AdminForm(session, await checked_form(request, session))
 
 
 async def _key_valid(request: Request, key_id: int) -> bool:
@@ -59,18 +84,19 @@ async def _key_valid(request: Request, key_id: int) -> bool:
     return await run_in_threadpool(admin_key_active, gateway(request).db, key_id)
 
 
-async def checked_form(request: Request, session: AdminSession) -> dict[str, str] | Response:
-    """The urlencoded form's fields, or a 403 page when the CSRF token is missing or wrong."""
+async def checked_form(request: Request, session: AdminSession) -> dict[str, str]:
+    """The urlencoded form's fields; Refused with a 403 page when the CSRF token is missing or wrong."""
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:
-        return page("error.html", 413, title="Form too large", message="The form is too large.")
+        raise Refused(page("error.html", 413, title="Form too large", message="The form is too large."))
     try:
         fields = {k: v[0] for k, v in parse_qs(body.decode("utf-8"), keep_blank_values=True).items()}
     except UnicodeDecodeError:
         fields = {}
     if not codec(request).csrf_ok(session, fields.get("csrf_token")):
-        return page("error.html", 403, title="Form refused",
-                    message="This form's security token is missing or out of date. Reload the page and try again.")
+        raise Refused(page("error.html", 403, title="Form refused",
+                           message="This form's security token is missing or out of date. "
+                                   "Reload the page and try again."))
     return fields
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import math
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from billing.accounts import AccountError, CreatedKey, create_key, list_keys, list_tenants, revoke_key
 from billing.key_limits import set_key_limits
-from gateway.dashboard.guard import admin_page, checked_form, gateway, redirect, signed_in
+from gateway.dashboard.guard import AdminForm, admin_form, admin_page, admin_session, gateway, redirect
 from gateway.dashboard.session import AdminSession
 
 log = logging.getLogger("tollgate.dashboard")
@@ -52,21 +52,13 @@ async def _keys_page(request: Request, session: AdminSession, status_code: int =
 
 
 @router.get("/keys")
-async def keys(request: Request) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
+async def keys(request: Request, session: AdminSession = Depends(admin_session)) -> Response:
     return await _keys_page(request, session)
 
 
 @router.post("/keys")
-async def create(request: Request) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
-    fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
+async def create(request: Request, form: AdminForm = Depends(admin_form)) -> Response:
+    session, fields = form.session, form.fields
     try:
         created = await run_in_threadpool(
             lambda: create_key(gateway(request).db, fields.get("tenant", ""),
@@ -82,13 +74,8 @@ async def create(request: Request) -> Response:
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke(request: Request, key_id: int) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
-    fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
+async def revoke(request: Request, key_id: int, form: AdminForm = Depends(admin_form)) -> Response:
+    session = form.session
     try:
         await run_in_threadpool(revoke_key, gateway(request).db, str(key_id))
     except AccountError as e:
@@ -98,13 +85,8 @@ async def revoke(request: Request, key_id: int) -> Response:
 
 
 @router.post("/keys/{key_id}/limits")
-async def limits(request: Request, key_id: int) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
-    fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
+async def limits(request: Request, key_id: int, form: AdminForm = Depends(admin_form)) -> Response:
+    session, fields = form.session, form.fields
     try:
         rpm, tpm = _optional_number(fields, "rpm", int), _optional_number(fields, "tpm", int)
         budget = _optional_number(fields, "budget_usd", float)

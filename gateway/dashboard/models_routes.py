@@ -6,11 +6,11 @@ from __future__ import annotations
 import inspect
 import logging
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from gateway.dashboard.guard import admin_page, checked_form, gateway, redirect, signed_in
+from gateway.dashboard.guard import AdminForm, admin_form, admin_page, admin_session, gateway, redirect
 from gateway.dashboard.models_view import model_rows
 from gateway.dashboard.session import AdminSession
 
@@ -31,21 +31,13 @@ async def _models_page(request: Request, session: AdminSession, status_code: int
 
 
 @router.get("/models")
-async def models(request: Request) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
+async def models(request: Request, session: AdminSession = Depends(admin_session)) -> Response:
     return await _models_page(request, session)
 
 
 @router.post("/models/{name:path}/scale")
-async def scale(request: Request, name: str) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
-    fields = await checked_form(request, session)
-    if isinstance(fields, Response):
-        return fields
+async def scale(request: Request, name: str, form: AdminForm = Depends(admin_form)) -> Response:
+    session, fields = form.session, form.fields
     hook = getattr(request.app.state, "scale_model", None)
     if not callable(hook):
         return await _models_page(request, session, 409, error=NO_SCALING)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from gateway.dashboard import stats
 from gateway.dashboard.charts import bar_chart
-from gateway.dashboard.guard import admin_page, gateway, redirect, signed_in
+from gateway.dashboard.guard import admin_page, admin_session, gateway, redirect
+from gateway.dashboard.session import AdminSession
 from gateway.dashboard.models_view import model_rows
 
 router = APIRouter()
@@ -18,10 +19,7 @@ CHART_DAYS = (7, 30, 90)
 
 
 @router.get("")
-async def overview(request: Request) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
+async def overview(request: Request, session: AdminSession = Depends(admin_session)) -> Response:
     gw = gateway(request)
     summary = await run_in_threadpool(stats.overview, gw.db)
     models = await run_in_threadpool(model_rows, gw.db, gw.backends)
@@ -34,10 +32,7 @@ async def overview_slash(request: Request) -> Response:
 
 
 @router.get("/tenants")
-async def tenants(request: Request, tenant: str | None = None, days: int = 30) -> Response:
-    session = await signed_in(request)
-    if isinstance(session, Response):
-        return session
+async def tenants(request: Request, tenant: str | None = None, days: int = 30, session: AdminSession = Depends(admin_session)) -> Response:
     days = days if days in CHART_DAYS else 30
     db = gateway(request).db
     rows = await run_in_threadpool(stats.tenant_rows, db)
