@@ -55,8 +55,30 @@ def sign_in(driver, url: str, key: str) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.common.by import By
 
     driver.get(url + "/admin/login")
+    form = driver.find_element(By.ID, "sign-in")
     driver.find_element(By.ID, "key").send_keys(key)
-    driver.find_element(By.ID, "sign-in").click()
+    form.click()
+    wait_for(driver, lambda d: _stale(form))  # the click only starts the navigation
+
+
+def wait_for(driver, condition) -> None:  # type: ignore[no-untyped-def]
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    # elements looked up mid-navigation can vanish or go stale: those count as "not yet"
+    WebDriverWait(driver, 10, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
+        condition)
+
+
+def _stale(element) -> bool:  # type: ignore[no-untyped-def]
+    """True once the page that held `element` has been replaced."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        element.is_enabled()
+        return False
+    except StaleElementReferenceException:
+        return True
 
 
 def test_dashboard_in_chromium(dashboard, browser, tmp_path):
@@ -81,7 +103,7 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
     assert browser.find_element(By.ID, "chart-tenant").text == EVIL_TENANT
     assert browser.find_element(By.ID, "chart-total").text == f"${chart_total(EVIL_TENANT):,.4f}"
     browser.find_element(By.LINK_TEXT, "acme").click()
-    assert browser.find_element(By.ID, "chart-tenant").text == "acme"
+    wait_for(browser, lambda b: b.find_element(By.ID, "chart-tenant").text == "acme")
     assert browser.find_element(By.ID, "chart-total").text == f"${chart_total('acme'):,.4f}"
     bars = browser.find_elements(By.CSS_SELECTOR, "#tenant-chart svg rect.bar")
     assert len(bars) == 30 and sum(float(b.get_attribute("height")) > 0 for b in bars) == 3
@@ -108,6 +130,6 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
         assert s.get(ApiKey, row.id).revoked
 
     browser.find_element(By.ID, "sign-out").click()
-    assert browser.current_url.endswith("/admin/login")
+    wait_for(browser, lambda b: b.current_url.endswith("/admin/login"))
     browser.get(url + "/admin/keys")
     assert browser.current_url.endswith("/admin/login")
