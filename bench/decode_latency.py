@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"device": args.device, "max_model_len": args.max_model_len}
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     llm = LLM(args.model, **kwargs)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     rng = random.Random(0)
@@ -73,12 +76,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rates.append(rate)
         log(f"run {i + 1}/{args.repeats}: {n} tokens, decode {rate:.1f} tok/s, ttft {m.ttft * 1e3:.1f} ms")
     tok_s = statistics.median(rates)
-    total, read = weight_bytes(llm.engine.runner.model)
+    tp = args.tensor_parallel_size
+    total, read = (tp * b for b in weight_bytes(llm.engine.runner.model))  # rank 0's shard, times the ranks
+    llm.close()
     result: dict[str, Any] = {
         "model": args.model,
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "tensor_parallel_size": tp,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "decode_tok_s": round(tok_s, 2),
@@ -90,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if bandwidth is not None:
         result["copy_bandwidth_bytes_s"] = round(bandwidth)
-        result["mbu"] = round(total * tok_s / bandwidth, 4)
-        result["mbu_read_bytes"] = round(read * tok_s / bandwidth, 4)
+        result["mbu"] = round(total * tok_s / (tp * bandwidth), 4)  # each GPU streams its shard at its bandwidth
+        result["mbu_read_bytes"] = round(read * tok_s / (tp * bandwidth), 4)
     emit(result, args.json)
     return result
 

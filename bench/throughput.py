@@ -43,13 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return p.parse_args(argv)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"device": args.device}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.enforce_eager:
@@ -89,8 +90,10 @@ def run_engine(args: argparse.Namespace, work: Workload) -> tuple[dict[str, Any]
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "ttft_p50_s": after["ttft_p50_s"],
         "tpot_p50_s": after["tpot_p50_s"],
+        "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
     }
     log(f"engine: {tokens:,} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s")
+    llm.close()
     del llm, outputs
     gc.collect()
     if args.device == "cuda":

@@ -121,6 +121,8 @@ class AsyncEngine:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- engine thread --------------------------------------------------------------------------
 

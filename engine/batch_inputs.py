@@ -1,5 +1,7 @@
 """Flattens a scheduled batch into the model's input tensors, with numpy on the host and one
-host-to-device copy for all the 1-D index tensors (plus one for the block tables)."""
+host-to-device copy for all the 1-D index tensors (plus one for the block tables).
+
+The host half (HostInputs) is what rank 0 sends to the other tensor-parallel ranks each step."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from engine.models.attention_metadata import AttentionMetadata
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -17,10 +20,39 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: list[int]  # rows whose hidden state is sampled: the last new token of each caught-up sequence
+    logits_indices: list[int]  # rows sampled: the last new token of each caught-up sequence (and its draft tokens)
+
+
+@dataclass
+class HostInputs:
+    packed: np.ndarray  # int64: token ids, positions, slots (num_tokens each), seq ends, query starts
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    logits_indices: list[int]
+
+
+def _scheduled_tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Tokens start..end of seq, where those past its token_ids are its draft tokens."""
+    if end <= seq.num_tokens:
+        return seq.token_ids[start:end]
+    return (seq.token_ids + seq.spec_token_ids)[start:end]
+
+
+def _logits_rows(last_rows: np.ndarray, num_drafts: np.ndarray) -> list[int]:
+    """Each caught-up sequence's last row, preceded by one row per draft token it verifies."""
+    if not num_drafts.any():
+        return last_rows.tolist()
+    return [row for last, k in zip(last_rows.tolist(), num_drafts.tolist()) for row in range(last - k, last + 1)]
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> BatchInputs:
+    return device_inputs(host_inputs(batch, block_size), device)
+
+
+def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
     seqs = batch.seqs
     n = len(seqs)
     num_new = np.fromiter(batch.num_new_tokens, dtype=np.int64, count=n)
@@ -42,28 +74,41 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         owner = np.arange(n)
     else:
         input_ids = np.fromiter(
-            (t for s, a, b in zip(seqs, starts.tolist(), ends.tolist()) for t in s.token_ids[a:b]),
+            (t for s, a, b in zip(seqs, starts.tolist(), ends.tolist()) for t in _scheduled_tokens(s, a, b)),
             dtype=np.int64, count=total,
         )
         owner = np.repeat(np.arange(n), num_new)
         positions = np.arange(total, dtype=np.int64) - query_start[owner] + starts[owner]
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-    packed = torch.from_numpy(np.concatenate([input_ids, positions, slots, ends, query_start]))
-    tables_t = torch.from_numpy(tables)
+    num_drafts = np.fromiter((len(s.spec_token_ids) for s in seqs), dtype=np.int64, count=n)
+    caught_up = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n) + num_drafts == ends
+    return HostInputs(
+        packed=np.concatenate([input_ids, positions, slots, ends, query_start]),
+        block_tables=tables,
+        num_tokens=total,
+        num_seqs=n,
+        max_query_len=int(num_new.max()),
+        max_seq_len=int(ends.max()),
+        logits_indices=_logits_rows(query_start[1:][caught_up] - 1, num_drafts[caught_up]),
+    )
+
+
+def device_inputs(host: HostInputs, device: torch.device) -> BatchInputs:
+    total, n = host.num_tokens, host.num_seqs
+    packed = torch.from_numpy(host.packed)
+    tables_t = torch.from_numpy(host.block_tables)
     if device.type == "cuda":
         packed, tables_t = packed.pin_memory(), tables_t.pin_memory()
     packed = packed.to(device, non_blocking=True)
     tables_t = tables_t.to(device, non_blocking=True)
     ids_t, pos_t, slots_t, lens_t, qsl_t = packed.split([total, total, total, n, n + 1])
-
-    caught_up = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n) == ends
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         block_tables=tables_t,
         seq_lens=lens_t.to(torch.int32),
         query_start_loc=qsl_t.to(torch.int32),
-        max_query_len=int(num_new.max()),
-        max_seq_len=int(ends.max()),
+        max_query_len=host.max_query_len,
+        max_seq_len=host.max_seq_len,
     )
-    return BatchInputs(ids_t, pos_t, meta, (query_start[1:][caught_up] - 1).tolist())
+    return BatchInputs(ids_t, pos_t, meta, host.logits_indices)

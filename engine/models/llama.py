@@ -6,25 +6,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels as ops
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
+from engine.models.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 from engine.models.rope import cos_sin_cache
 
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+__all__ = ["Linear", "LlamaForCausalLM"]
 
 
 def _norm_weight(size: int, device, dtype) -> nn.Parameter:
@@ -32,16 +29,24 @@ def _norm_weight(size: int, device, dtype) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device, dtype) -> None:
+    """Under tensor parallelism each rank runs num_heads / tp query heads and num_kv_heads / tp KV heads."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads = tp.shard_size(cfg.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.shard_size(cfg.num_key_value_heads, "KV heads")
+        self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, device, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, device, dtype)
+        full_q, full_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, full_q + 2 * full_kv, cfg.attention_bias, device,
+                                             dtype, tp)
+        self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, False, device, dtype, tp)
         self.q_norm = _norm_weight(self.head_dim, device, dtype) if cfg.qk_norm else None
         self.k_norm = _norm_weight(self.head_dim, device, dtype) if cfg.qk_norm else None
+        # [2, num_kv_heads] K and V scales of an fp8 / int8 KV cache (engine/quantization/kv_cache.py)
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(
         self,
@@ -61,34 +66,36 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
-        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
         if meta.decode_only:
-            out = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            out = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                       self.kv_scales)
         else:
             out = ops.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                self.kv_scales,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device, dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, device, dtype, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device, dtype, tp: TensorParallel) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = _norm_weight(cfg.hidden_size, device, dtype)
-        self.self_attn = Attention(cfg, device, dtype)
+        self.self_attn = Attention(cfg, device, dtype, tp)
         self.post_attention_layernorm = _norm_weight(cfg.hidden_size, device, dtype)
-        self.mlp = MLP(cfg, device, dtype)
+        self.mlp = MLP(cfg, device, dtype, tp)
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache, cos_sin):
         if residual is None:
@@ -102,18 +109,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False
-        )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_hidden_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = _norm_weight(cfg.hidden_size, device, dtype)
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
+            None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype, tp)
         )
         self.register_buffer(
             "cos_sin", cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device), persistent=False
@@ -126,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, meta, k_cache, v_cache, self.cos_sin)
@@ -134,19 +139,22 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return vocab_parallel_logits(hidden, head.weight, self.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors in, fusing q/k/v and gate/up. ValueError if any parameter is missing."""
-        cfg = self.config
-        q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        """Copies HF-named tensors in, fusing q/k/v and gate/up and keeping this rank's slice of each.
+        ValueError if any parameter is missing."""
+        cfg, tp = self.config, self.tp
+        q_size = cfg.num_attention_heads * cfg.head_dim // tp.size
+        kv_size = cfg.num_key_value_heads * cfg.head_dim // tp.size
+        inter = cfg.intermediate_size // tp.size
         fused = {
             "q_proj": ("self_attn.qkv_proj", 0, q_size),
             "k_proj": ("self_attn.qkv_proj", q_size, kv_size),
             "v_proj": ("self_attn.qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("mlp.gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("mlp.gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+            "gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "up_proj": ("mlp.gate_up_proj", inter, inter),
         }
         renamed = {
             "self_attn.q_norm.weight": "self_attn.q_norm",
@@ -166,14 +174,18 @@ class LlamaForCausalLM(nn.Module):
             part.copy_(tensor)
             filled[name] = filled.get(name, 0) + tensor.numel()
 
+        def sharded(module_name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+            module = self.get_submodule(module_name)
+            return module.shard_of(tensor, is_bias=kind == "bias") if isinstance(module, Linear) else tensor
+
         for hf_name, tensor in weights:
             if hf_name == "model.embed_tokens.weight":
-                put("embed_tokens", tensor)
+                put("embed_tokens.weight", self.embed_tokens.shard_of(tensor))
             elif hf_name == "model.norm.weight":
                 put("norm", tensor)
             elif hf_name == "lm_head.weight":
                 if self.lm_head is not None:
-                    put("lm_head", tensor)
+                    put("lm_head.weight", self.lm_head.shard_of(tensor))
             elif hf_name.startswith("model.layers."):
                 index, rest = hf_name[len("model.layers.") :].split(".", 1)
                 prefix = f"layers.{index}."
@@ -181,11 +193,11 @@ class LlamaForCausalLM(nn.Module):
                 short = module.rsplit(".", 1)[-1]
                 if short in fused:
                     target, start, length = fused[short]
-                    put(f"{prefix}{target}.{kind}", tensor, start, length)
+                    put(f"{prefix}{target}.{kind}", sharded(prefix + target, tensor, kind), start, length)
                 elif rest in renamed:
                     put(prefix + renamed[rest], tensor)
                 elif prefix + rest in params:
-                    put(prefix + rest, tensor)
+                    put(prefix + rest, sharded(prefix + module, tensor, kind))
         missing = [name for name, size in expected.items() if filled.get(name, 0) != size]
         if missing:
             raise ValueError(f"weights: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -92,3 +92,13 @@ def test_deploy_rejects_a_bad_spec_naming_each_field(tmp_path, capsys) -> None: 
     assert "autoscaling.max_replicas: must be >= min_replicas" in capsys.readouterr().err
     bad.write_text("- not\n- a mapping\n")
     assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2
+
+
+def test_tensor_parallel_spec_needs_as_many_gpus_as_ranks() -> None:
+    from gateway.specs import SpecError, parse_spec
+
+    base = {"name": "m", "source": "random:llama-tiny", "engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(SpecError, match="engine.tensor_parallel_size: 2 ranks need 2 GPUs per replica"):
+        parse_spec({**base, "resources": {"num_gpus": 1}})
+    assert parse_spec({**base, "resources": {"num_gpus": 2}}).engine["tensor_parallel_size"] == 2
+    assert parse_spec(base).resources.num_gpus == 0  # CPU replicas split over gloo processes

@@ -1,0 +1,76 @@
+"""The tensor-parallel group a model shard belongs to, and the collectives its layers call.
+
+With size 1 every collective is a no-op and torch.distributed is never touched, so a single-GPU or
+CPU engine runs exactly as before."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None  # NCCL on GPUs, gloo on CPU: the collectives inside the forward pass
+    cpu_group: Any = None  # gloo: host-side messages (each step's inputs, the KV pool size)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def shard_size(self, total: int, what: str) -> int:
+        if total % self.size:
+            raise ValueError(f"tensor_parallel_size: {self.size} does not divide the model's {what} ({total})")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=-1)
+
+    def min_over_ranks(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+SINGLE = TensorParallel()
+
+
+# Ranks other than 0 wait on the host group for the next step, however long the engine sits idle.
+_IDLE_TIMEOUT = timedelta(days=30)
+_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+    """Joins (rank 0: creates) the process group of `size` ranks rendezvousing on 127.0.0.1:port."""
+    if size == 1:
+        return SINGLE
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=_COLLECTIVE_TIMEOUT)
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return TensorParallel(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+
+
+def destroy_tensor_parallel(tp: TensorParallel) -> None:
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,48 @@
+"""Rank 0 sends each step's host inputs to the other ranks over the gloo group: a fixed-size header,
+then one int64 payload. Every rank then runs the same forward pass on its shard of the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.batch_inputs import HostInputs
+from engine.distributed.parallel_state import TensorParallel
+
+_STOP = -1
+
+
+def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
+    """`None` tells the other ranks to leave their step loop."""
+    if host is None:
+        dist.broadcast(torch.tensor([0, _STOP, 0, 0, 0, 0], dtype=torch.int64), src=0, group=tp.cpu_group)
+        return
+    header = torch.tensor([host.num_tokens, host.num_seqs, host.block_tables.shape[1], host.max_query_len,
+                           host.max_seq_len, len(host.logits_indices)], dtype=torch.int64)
+    payload = np.concatenate([host.packed, host.block_tables.astype(np.int64).ravel(),
+                              np.asarray(host.logits_indices, dtype=np.int64)])
+    dist.broadcast(header, src=0, group=tp.cpu_group)
+    dist.broadcast(torch.from_numpy(payload), src=0, group=tp.cpu_group)
+
+
+def receive_step(tp: TensorParallel) -> HostInputs | None:
+    header = torch.empty(6, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=tp.cpu_group)
+    num_tokens, num_seqs, max_blocks, max_query_len, max_seq_len, num_logits = header.tolist()
+    if num_seqs == _STOP:
+        return None
+    packed_len = 3 * num_tokens + 2 * num_seqs + 1
+    payload = torch.empty(packed_len + num_seqs * max_blocks + num_logits, dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=tp.cpu_group)
+    data = payload.numpy()
+    tables = data[packed_len: packed_len + num_seqs * max_blocks].astype(np.int32).reshape(num_seqs, max_blocks)
+    return HostInputs(
+        packed=data[:packed_len],
+        block_tables=tables,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        logits_indices=data[packed_len + num_seqs * max_blocks:].tolist(),
+    )

@@ -1,0 +1,107 @@
+"""Linear and embedding layers, whole or split across a tensor-parallel group.
+
+Column-parallel layers hold a slice of the output features (no communication: their output stays
+split); row-parallel layers hold a slice of the input features and sum their partial products with
+one all-reduce. The vocabulary-parallel embedding and LM head split the vocabulary rows. Each layer
+knows how to cut its slice out of a full checkpoint tensor (`shard_of`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import SINGLE, TensorParallel
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) on this rank's weights, with no communication."""
+
+    shard_dim: int | None = None  # the dimension of a checkpoint tensor this layer keeps a slice of
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
+        dim = self.shard_dim
+        if dim is None or self.tp.size == 1 or (is_bias and dim == 1):
+            return tensor
+        size = tensor.shape[dim] // self.tp.size
+        return tensor.narrow(dim, self.tp.rank * size, size)
+
+
+class ColumnParallelLinear(Linear):
+    """Keeps out_features / tp of the outputs; `out_features` here is the full (unsplit) width."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(in_features, tp.shard_size(out_features, "output features"), bias, device, dtype, tp)
+
+
+class RowParallelLinear(Linear):
+    """Keeps in_features / tp of the inputs and all-reduces the partial outputs; the bias is added once."""
+
+    shard_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(tp.shard_size(in_features, "input features"), out_features, bias, device, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def padded_vocab_size(vocab_size: int, tp: TensorParallel) -> int:
+    """Rounded up so every rank holds the same number of rows; the padding rows are never real tokens."""
+    return -(-vocab_size // tp.size) * tp.size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous block of vocabulary rows; ids outside it contribute zeros to the sum."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, device, dtype, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = padded_vocab_size(vocab_size, tp) // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size, device=device, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+    def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full [vocab, hidden] tensor, zero rows past the real vocabulary."""
+        part = tensor[self.start: self.start + self.rows]
+        if part.shape[0] == self.rows:
+            return part
+        pad = part.new_zeros(self.rows - part.shape[0], part.shape[1])
+        return torch.cat([part, pad])
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, embedding: VocabParallelEmbedding
+                          ) -> torch.Tensor:
+    """Logits of this rank's vocabulary rows, gathered from all ranks into [N, vocab] float32."""
+    logits = embedding.tp.all_gather_last_dim(F.linear(hidden, weight))
+    return logits[..., : embedding.vocab_size].float()

@@ -1,0 +1,61 @@
+"""Tensor parallelism on CPU: two gloo processes split a tiny model by heads, MLP columns and vocabulary
+rows; their gathered logits equal one process's within float32 tolerance and greedy tokens are identical."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tests.engine.conftest import tiny_hf_model
+from tests.engine.test_hf_parity import run_and_capture_logits
+
+CASES = {
+    # 301: the vocabulary does not split evenly, so rank 1 holds a padding row
+    "llama-untied-odd-vocab": ("llama", dict(tie_word_embeddings=False, vocab_size=301)),
+    "qwen2-bias-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3-qknorm": ("qwen3", dict(head_dim=16, tie_word_embeddings=False)),
+}
+
+
+def _run(path: str, tp: int, prompts: dict[str, list[int]]):
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=24,
+                                    num_kv_blocks=64, block_size=16))
+    try:
+        outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
+        assert engine.kv.num_used_blocks == 0
+        return outputs, captured
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_match_one(case, tmp_path):
+    arch, overrides = CASES[case]
+    tiny_hf_model(arch, **overrides).save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = {"a": torch.randint(0, 300, (37,), generator=gen).tolist(),
+               "b": torch.randint(0, 300, (5,), generator=gen).tolist()}
+    single_out, single_logits = _run(str(tmp_path), 1, prompts)
+    split_out, split_logits = _run(str(tmp_path), 2, prompts)
+    for rid in prompts:
+        assert split_out[rid].outputs[0].token_ids == single_out[rid].outputs[0].token_ids
+        assert len(split_logits[rid]) == len(single_logits[rid]) == 12
+        for (n1, one), (n2, two) in zip(single_logits[rid], split_logits[rid]):
+            assert n1 == n2 and two.shape == one.shape
+            torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+def test_heads_that_do_not_split_are_refused(tmp_path):
+    tiny_hf_model("llama", num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's KV heads"):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=4, num_kv_blocks=8))
+
+
+def test_workers_leave_when_the_engine_closes(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=2, num_kv_blocks=8))
+    processes = list(engine.workers.processes)
+    assert all(p.is_alive() for p in processes)
+    engine.close()
+    assert not any(p.is_alive() for p in processes)
+    assert all(p.exitcode == 0 for p in processes)
