@@ -55,16 +55,19 @@ class TensorParallelWorkers:
         for p in processes:
             p.start()
         log.info("tensor parallel: started %d worker processes, rendezvous on port %d", len(processes), port)
-        tp = init_tensor_parallel(0, size, port, device)
+        tp = init_tensor_parallel(0, size, port, rank_device(device, 0))
         return cls(tp, processes)
 
     def join(self, timeout_s: float = 30.0) -> None:
+        """Leaves the group together with the workers (tearing NCCL down can wait on peers), then reaps them."""
+        destroy_tensor_parallel(self.tp)
         deadline = time.monotonic() + timeout_s
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
+                log.warning("tensor parallel: %s did not exit in time; killing it", p.name)
                 p.kill()
-        destroy_tensor_parallel(self.tp)
+                p.join()
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, device: torch.device,
@@ -75,9 +78,13 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, device: 
     device = rank_device(device, rank)
     torch.manual_seed(config.seed)
     tp = init_tensor_parallel(rank, size, port, device)
+    runner = None
     try:
-        build_model(config, device, dtype, tp).runner.serve_steps()
+        runner = build_model(config, device, dtype, tp).runner
+        runner.serve_steps()
     finally:
+        if runner is not None:
+            runner.release_graphs()
         destroy_tensor_parallel(tp)
 
 
