@@ -1,6 +1,6 @@
 """Latency of the collectives tensor parallelism runs every decode step, on two local ranks:
-NCCL all-reduce of one token's hidden state (eager and replayed from a CUDA graph), and the gloo
-broadcast that carries each step's inputs from rank 0.
+NCCL all-reduce of one token's hidden state (eager and replayed from a CUDA graph), the same through
+symmetric memory (graph), and the gloo broadcast that carries each step's inputs from rank 0.
 
     python -m bench.allreduce_latency [--hidden 4096] [--json FILE]
 """
@@ -40,20 +40,36 @@ def _rank_main(rank: int, size: int, port: int, hidden: int, out: str) -> None:
         return (time.perf_counter() - start) / calls * 1e6
 
     result["nccl_eager_us"] = per_call_us(lambda: [dist.all_reduce(x) for _ in range(200)], 200)
-    graph = torch.cuda.CUDAGraph()
-    dist.all_reduce(x)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        for _ in range(64):
-            dist.all_reduce(x)
-    result["nccl_graph_us"] = per_call_us(lambda: [graph.replay() for _ in range(20)], 20 * 64)
+    result["nccl_graph_us"] = _graph_us(per_call_us, lambda: dist.all_reduce(x))
+    from engine.distributed.symmetric_all_reduce import try_symmetric_all_reduce
+
+    fast = try_symmetric_all_reduce(dist.group.WORLD, device)
+    if fast is not None:
+        result["symmetric_graph_us"] = _graph_us(per_call_us, lambda: fast(x))
     header = torch.zeros(6, dtype=torch.int64)
     result["gloo_broadcast_us"] = per_call_us(lambda: [dist.broadcast(header, src=0, group=gloo) for _ in range(500)],
                                               500)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    del fast
+    torch.cuda.synchronize()
     dist.destroy_process_group()
+
+
+def _graph_us(per_call_us, all_reduce) -> float:
+    """Per call, 64 calls captured in one CUDA graph as a decode step has them. The graph is freed
+    before returning: NCCL teardown waits forever on graphs that captured it (pytorch/pytorch#115388)."""
+    all_reduce()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(64):
+            all_reduce()
+    us = per_call_us(lambda: [graph.replay() for _ in range(20)], 20 * 64)
+    del graph
+    torch.cuda.synchronize()
+    return us
 
 
 def main(argv: list[str] | None = None) -> dict:

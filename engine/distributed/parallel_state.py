@@ -5,6 +5,7 @@ CPU engine runs exactly as before."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ class TensorParallel:
     size: int = 1
     device_group: Any = None  # NCCL on GPUs, gloo on CPU: the collectives inside the forward pass
     cpu_group: Any = None  # gloo: host-side messages (each step's inputs, the KV pool size)
+    fast_all_reduce: Any = None  # SymmetricAllReduce for small bf16 tensors on GPUs, when it works
 
     @property
     def is_driver(self) -> bool:
@@ -30,8 +32,12 @@ class TensorParallel:
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.device_group)
+        """The sum over ranks; may return a new tensor rather than reduce `x` in place."""
+        if self.size == 1:
+            return x
+        if self.fast_all_reduce is not None and self.fast_all_reduce.handles(x):
+            return self.fast_all_reduce(x)
+        dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +74,13 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) 
                             world_size=size, timeout=_COLLECTIVE_TIMEOUT)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TensorParallel(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+    fast = None
+    if on_gpu and os.environ.get("TOLLGATE_TP_ALL_REDUCE", "auto") != "nccl":
+        from engine.distributed.symmetric_all_reduce import try_symmetric_all_reduce
+
+        fast = try_symmetric_all_reduce(device_group, device)
+    return TensorParallel(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group,
+                          fast_all_reduce=fast)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
