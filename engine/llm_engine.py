@@ -16,6 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
 from engine.metrics import EngineMetrics
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import load_weights
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner, SampledToken
 from engine.scheduler import Scheduler
@@ -67,7 +68,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
         model = LlamaForCausalLM(self.model_config, self.max_model_len, self.device, self.dtype)
-        model.load_weights(loaded.weights)
+        load_weights(model, loaded, config)  # quantizes as config.quantization / kv_cache_dtype ask
         model.eval()
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids

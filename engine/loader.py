@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig, parameter_shapes, token_id_tuple
+from engine.quantization.checkpoint import CheckpointQuantization, checkpoint_shapes, read_checkpoint_quantization
 from engine.random_models import random_model_config, random_weights
 from engine.tokenizer import Tokenizer
 
@@ -21,6 +22,8 @@ _PACKAGE_PREFIX = "pkg:"
 _INDEX_FILE = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors of AWQ / GPTQ checkpoints, kept in their stored dtype (packed ints, fp16 scales repacked exactly).
+_QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class LoadedModel:
     weights: Iterator[tuple[str, torch.Tensor]]
     tokenizer: Tokenizer | None
     source: str
+    quantization: CheckpointQuantization | None = None  # an AWQ / GPTQ checkpoint's own
 
 
 def resolve_model_source(source: str) -> str:
@@ -55,11 +59,13 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
                tokenizer_source: str | None = None) -> LoadedModel:
     resolved = resolve_model_source(source)
     tokenizer_path = resolve_model_source(tokenizer_source) if tokenizer_source else None
+    quantization = None
     if resolved.startswith(_RANDOM_PREFIX):
         config = random_model_config(resolved[len(_RANDOM_PREFIX):])
         weights = random_weights(config, device, dtype)
     elif os.path.isdir(resolved):
-        config, weights = _load_directory(resolved, device, dtype)
+        quantization = read_checkpoint_quantization(resolved)
+        config, weights = _load_directory(resolved, device, dtype, quantization)
     else:
         from engine.gguf_loader import load_gguf
 
@@ -67,7 +73,8 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
     if tokenizer_path is None and not resolved.startswith(_RANDOM_PREFIX):
         tokenizer_path = resolved
     tokenizer = Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved,
+                       quantization=quantization)
 
 
 def _resolve_package(package: str) -> str:
@@ -92,7 +99,8 @@ def _resolve_package(package: str) -> str:
     raise ValueError(f"pkg:{package}: {folder} holds no config.json model directory or .gguf file")
 
 
-def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype
+def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype,
+                    quantization: CheckpointQuantization | None = None
                     ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     config = _read_config(path)
     files = _safetensors_files(path)
@@ -109,7 +117,8 @@ def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype
         if config.tie_word_embeddings:
             names = [n for n in names if n != "lm_head.weight"]
         names_by_file[file] = names
-    for name, shape in parameter_shapes(config).items():
+    expected = parameter_shapes(config) if quantization is None else checkpoint_shapes(config, quantization)
+    for name, shape in expected.items():
         if name not in shapes:
             raise ValueError(f"{path}: checkpoint lacks tensor {name}")
         if shapes[name] != shape:
@@ -123,7 +132,8 @@ def _iter_safetensors(names_by_file: dict[str, list[str]], device: torch.device 
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in names:
-                    yield name, f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor if name.endswith(_QUANTIZED_SUFFIXES) else tensor.to(dtype)
         except (OSError, RuntimeError) as e:
             raise ValueError(f"{file}: cannot read tensors: {e}") from e
 

@@ -15,6 +15,7 @@ from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
+from engine.quantization.kv_cache import kv_cache_torch_dtype
 from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -45,6 +46,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)  # fp8 / int8 halve bytes_per_block
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
@@ -53,7 +55,7 @@ class ModelRunner:
         self.num_blocks = self._choose_num_blocks()
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            (torch.zeros(shape, device=device, dtype=self.kv_dtype), torch.zeros(shape, device=device, dtype=self.kv_dtype))
             for _ in range(model_config.num_hidden_layers)
         ]
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -66,7 +68,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _choose_num_blocks(self) -> int:

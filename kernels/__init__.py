@@ -23,6 +23,8 @@ from kernels import reference as _ref
 __all__ = [
     "add_rms_norm",
     "decode_attention",
+    "int4_linear",
+    "int8_linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -56,6 +58,8 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
                 ("decode", "paged_attention"),
+                ("int4_matmul", "int4_matmul"),
+                ("int8_matmul", "int8_matmul"),
                 ("prefill", "prefill_attention"),
                 ("rotary", "rotary"),
             ]
@@ -112,13 +116,19 @@ def rotary_embedding(
 
 
 def store_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place."""
+    """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place; an int8 / fp8 cache
+    needs kv_scales [2, G] (K and V scale per KV head)."""
     if ops := _triton_for(k_cache):
-        ops.cache_ops.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        ops.cache_ops.store_kv_cache(key, value, k_cache, v_cache, slot_mapping, kv_scales)
     else:
-        _ref.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        _ref.store_kv_cache(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def paged_attention(
@@ -129,11 +139,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens q [T, H, D] over its whole paged context."""
     if ops := _triton_for(q):
-        return ops.prefill.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    return _ref.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return ops.prefill.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                           kv_scales)
+    return _ref.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_scales)
 
 
 def decode_attention(
@@ -143,8 +155,30 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] attends to all seq_lens[b] cached tokens."""
     if ops := _triton_for(q):
-        return ops.decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return _ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return ops.decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)
+    return _ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times the int8 weight [N, K] with per-output-channel scales [N], plus bias."""
+    if ops := _triton_for(x):
+        return ops.int8_matmul.int8_linear(x, qweight, scales, bias)
+    return _ref.int8_linear(x, qweight, scales, bias)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] times the int4 weight (qweight [N, K/8] int32, scales / zeros [N, K/G]), plus bias."""
+    if ops := _triton_for(x):
+        return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias)
+    return _ref.int4_linear(x, qweight, scales, zeros, group_size, bias)

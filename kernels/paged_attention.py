@@ -1,7 +1,8 @@
 """Decode attention over the paged KV cache: split-K flash-decoding, GQA-aware.
 
 One program serves all query heads of one KV head of one sequence over one split of its context,
-so each K/V tile is read once for the whole group. With several splits, a second kernel combines
+so each K/V tile is read once for the whole group. An int8 / fp8 cache is read as stored and
+converted in registers; its per-KV-head scales multiply the scores (K) and the output (V). With several splits, a second kernel combines
 the partial results. The split count depends only on shapes (never on seq_lens' values), so the
 launch needs no host synchronisation and can be captured in a CUDA graph.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import check_kv_scales
 
 LOG2E = math.log2(math.e)
 
@@ -43,6 +46,7 @@ def _decode_split_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    kv_scales_ptr,
     qk_scale,
     split_len,
     num_splits,
@@ -66,10 +70,14 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_QUANT:
+        qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + NUM_HEADS // GROUP + kv_head)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * split_len
@@ -104,6 +112,9 @@ def _decode_split_kernel(
             kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -118,6 +129,8 @@ def _decode_split_kernel(
         o_mask = row_mask[:, None]
     else:
         o_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    if KV_QUANT:
+        acc = acc * v_scale
     if SINGLE_SPLIT:
         out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         out_rows = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
@@ -175,7 +188,7 @@ def check_paged_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checks q [N, H, D] against caches [num_blocks, block_size, G, D]; returns q and block_tables
-    with unit stride in their last dimension, as the kernels index them."""
+    with unit stride in their last dimension, as the kernels index them. Use kv_scale_args for the scales."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, kv_dim = k_cache.shape[2], k_cache.shape[3]
     if kv_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
@@ -187,6 +200,15 @@ def check_paged_inputs(
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     return q, block_tables
+
+
+def kv_scale_args(q: torch.Tensor, k_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """(the scales pointer argument, KV_QUANT) for a kernel launch: the [2, G] float32 scales of a
+    quantized cache, or q as an unused placeholder."""
+    scales = check_kv_scales(k_cache, kv_scales)
+    if scales is None:
+        return q, False
+    return scales.float().contiguous(), True
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, config: DecodeConfig) -> int:
@@ -207,14 +229,17 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
     *,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens of the
     pages in block_tables[b]. Returns [B, H, D]. The longest context is bounded by
-    block_tables.shape[1] * block_size, which sets the split count without reading seq_lens."""
+    block_tables.shape[1] * block_size, which sets the split count without reading seq_lens.
+    An int8 / fp8 cache needs kv_scales [2, G] (see kernels/reference.py)."""
     cfg = config or DecodeConfig()
     q, block_tables = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    scales_arg, kv_quant = kv_scale_args(q, k_cache, kv_scales)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -243,6 +268,7 @@ def decode_attention(
         part_acc,
         part_m,
         part_l,
+        scales_arg,
         scale * LOG2E,
         split_len,
         num_splits,
@@ -266,6 +292,7 @@ def decode_attention(
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=single,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv_quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,6 +1,8 @@
 """Variable-length causal attention of new tokens over the paged KV cache (prefill, chunked prefill,
 prefix caching). The new tokens' K/V are already in the cache; a sequence's new tokens are the last
 q_len positions of its context, so a cached prefix is read from its pages like any other block.
+An int8 / fp8 cache is converted in registers; its per-KV-head scales multiply the scores (K) and the
+output (V).
 
 Grid: (query tiles over all sequences, query heads). A program finds its sequence from
 query_start_loc on the device, so the launch needs no host synchronisation.
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import check_paged_inputs
+from kernels.paged_attention import check_paged_inputs, kv_scale_args
 
 LOG2E = math.log2(math.e)
 
@@ -52,6 +54,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     kv_pos = tile + tl.arange(0, BLOCK_N)
     slot = kv_pos % BLOCK_SIZE
@@ -75,6 +78,9 @@ def _attend_tile(
     else:
         k = tl.load(k_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    if KV_QUANT:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL_MASK:
         s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
@@ -95,6 +101,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    kv_scales_ptr,
     qk_scale,
     num_seqs,
     stride_qt,
@@ -116,10 +123,14 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
+    if KV_QUANT:
+        qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
 
     # Sequence i owns tiles starting at query_start_loc[i] // BLOCK_M + i: increasing in i, and with
     # room for cdiv(q_len_i, BLOCK_M) tiles before the next sequence's first tile.
@@ -160,16 +171,18 @@ def _prefill_kernel(
         m, l, acc = _attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, dims,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QUANT,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         m, l, acc = _attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, dims,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QUANT,
         )
 
     out = acc / l[:, None]
+    if KV_QUANT:
+        out = out * tl.load(kv_scales_ptr + NUM_KV_HEADS + kv_head)
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -181,14 +194,16 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens q [T, H, D] over its whole paged context.
     Sequence i's rows query_start_loc[i]:query_start_loc[i+1] are the last tokens of its
-    seq_lens[i]-token context. Returns [T, H, D]."""
+    seq_lens[i]-token context. Returns [T, H, D]. An int8 / fp8 cache needs kv_scales [2, G]."""
     cfg = config or PrefillConfig()
     q, block_tables = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    scales_arg, kv_quant = kv_scale_args(q, k_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -204,6 +219,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        scales_arg,
         scale * LOG2E,
         num_seqs,
         q.stride(0),
@@ -225,6 +241,8 @@ def paged_attention(
         BLOCK_N=cfg.block_n,
         SEQS_PAD=triton.next_power_of_2(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_KV_HEADS=num_kv_heads,
+        KV_QUANT=kv_quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -6,6 +6,10 @@ Shapes (T tokens in a flattened batch, B sequences, H query heads, G KV heads, D
   block_tables [B, max_blocks] int32, seq_lens [B]: context length of each sequence including its new tokens
   query_start_loc [B + 1]: sequence i's new tokens are rows query_start_loc[i]:query_start_loc[i+1] of q,
   and they are the last tokens of its context (causal).
+  Quantized KV cache (int8 or float8_e4m3fn pages): kv_scales [2, G] float32, the K and V scale of each
+  KV head; a stored value times its head's scale is the key or value.
+Weight-only quantized linears (int8 per output channel; int4 in groups along K with zero points):
+  see dequantize_int8 and dequantize_int4 for the layouts.
 """
 
 from __future__ import annotations
@@ -49,27 +53,74 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+FP8_E4M3_MAX = 448.0
+INT8_KV_MAX = 127.0
+
+
+def check_kv_scales(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor | None:
+    """kv_scales when the cache is quantized (then they are required), else None."""
+    if cache.dtype not in QUANTIZED_KV_DTYPES:
+        return None
+    if kv_scales is None or kv_scales.shape != (2, cache.shape[2]):
+        raise ValueError(f"kv_scales: a {cache.dtype} KV cache needs scales of shape (2, {cache.shape[2]})")
+    return kv_scales
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., G, D] / scale [G], rounded to the cache dtype: int8 round-half-up clamped to +-127,
+    fp8 e4m3 round-to-nearest-even clamped to +-448 (saturating, never NaN)."""
+    y = x.float() / scale.float()[:, None]
+    if cache_dtype == torch.int8:
+        return torch.floor(y + 0.5).clamp(-INT8_KV_MAX, INT8_KV_MAX).to(torch.int8)
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored keys or values [..., G, D] back to float32 (unchanged values when scale is None)."""
+    return x.float() if scale is None else x.float() * scale.float()[:, None]
+
+
 def store_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place."""
+    """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place, quantizing for an
+    int8 / fp8 cache."""
+    scales = check_kv_scales(k_cache, kv_scales)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    if scales is None:
+        k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+        v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    else:
+        k_cache[blocks, offsets] = quantize_kv(key[keep], scales[0], k_cache.dtype)
+        v_cache[blocks, offsets] = quantize_kv(value[keep], scales[1], v_cache.dtype)
 
 
 def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len cached keys and values of one sequence, each [seq_len, G, D]."""
+    """The first seq_len cached keys and values of one sequence, each [seq_len, G, D]
+    (float32, dequantized, for a quantized cache)."""
+    scales = check_kv_scales(k_cache, kv_scales)
     block_size = k_cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:num_blocks].long()
     k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:seq_len]
     v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:seq_len]
+    if scales is not None:
+        k, v = dequantize_kv(k, scales[0]), dequantize_kv(v, scales[1])
     return k, v
 
 
@@ -98,6 +149,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens q [T, H, D] over its whole paged context.
     Covers prefill, chunked prefill over a cached prefix, and decode. Returns [T, H, D]."""
@@ -108,7 +160,7 @@ def paged_attention(
         lo, hi = starts[i], starts[i + 1]
         if hi == lo:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[i], seq_len)
+        k, v = gather_kv(k_cache, v_cache, block_tables[i], seq_len, kv_scales)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale)
     return out
 
@@ -120,8 +172,10 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] attends to all seq_lens[b] cached tokens. Returns [B, H, D]."""
+    scales = check_kv_scales(k_cache, kv_scales)
     batch = q.shape[0]
     max_len = int(seq_lens.max().item()) if batch else 0
     if batch == 0 or max_len == 0:
@@ -131,9 +185,64 @@ def decode_attention(
     ids = block_tables[:, :num_blocks].long().clamp(min=0)
     k = k_cache[ids].reshape(batch, num_blocks * block_size, *k_cache.shape[2:])[:, :max_len]  # [B, S, G, D]
     v = v_cache[ids].reshape(batch, num_blocks * block_size, *v_cache.shape[2:])[:, :max_len]
+    if scales is not None:
+        k, v = dequantize_kv(k, scales[0]), dequantize_kv(v, scales[1])
     kf = k.float().permute(0, 2, 1, 3)  # [B, G, S, D]
     vf = v.float().permute(0, 2, 1, 3)
     valid = torch.arange(max_len, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
     mask = valid[:, None, None, :]
     out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2).to(q.dtype)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 per output channel: W[n, k] = qweight[n, k] * scales[n]; qweight [N, K] int8, scales [N] float32."""
+    return (qweight.float() * scales.float()[:, None]).to(dtype)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize_int8(qweight, scales, x.dtype), bias)
+
+
+INT4_PER_WORD = 8
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] int32 -> [N, K] int32 in 0..15: nibble i (bits 4i..4i+3) of word j holds column 8j + i."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpack_int4: [N, K] integers in 0..15 -> [N, K/8] int32."""
+    n, k = values.shape
+    if k % INT4_PER_WORD:
+        raise ValueError(f"qweight: K={k} is not a multiple of {INT4_PER_WORD}")
+    nibbles = values.to(torch.int64).reshape(n, k // INT4_PER_WORD, INT4_PER_WORD)
+    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
+    words = (nibbles << shifts).sum(dim=-1)  # < 2**32: the nibbles do not overlap
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """int4 in groups of group_size along K, asymmetric: W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]
+    with g = k // group_size; qweight [N, K/8] int32 (see unpack_int4), scales [N, K/G] float32,
+    zeros [N, K/G] uint8."""
+    q = unpack_int4(qweight).float()
+    n, k = q.shape
+    grouped = q.view(n, k // group_size, group_size)
+    w = (grouped - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return w.view(n, k).to(dtype)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)

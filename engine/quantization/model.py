@@ -1,0 +1,92 @@
+"""Quantizing a loaded model's linear layers, and loading a checkpoint into a model as the engine
+config asks: on the fly (`quantization: int8 | int4 | fp8` over a float checkpoint), from an AWQ / GPTQ
+checkpoint (int4, repacked exactly), and with an fp8 / int8 KV cache (calibrated scales).
+
+Every `Linear` of the decoder layers (q/k/v, o, gate/up, down) is replaced by its quantized module;
+the embeddings, the LM head and the norms stay in the model dtype."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.models.llama import Linear
+from engine.quantization.checkpoint import CheckpointQuantization, repack_checkpoint
+from engine.quantization.fp8 import Fp8Linear
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.int8 import Int8Linear
+from engine.quantization.kv_cache import calibrate_kv_cache_, check_kv_cache_dtype
+
+log = logging.getLogger(__name__)
+
+QUANTIZED_LINEARS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] = {
+    "int8": Int8Linear.from_weight,
+    "int4": Int4Linear.from_weight,
+    "fp8": Fp8Linear.from_weight,
+}
+
+
+def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, Linear)]
+
+
+def _check_single_rank(module: nn.Module, field: str) -> None:
+    tp = getattr(module, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{field}: not supported with tensor_parallel_size > 1 yet")
+
+
+def replace_linears_(model: nn.Module, make: Callable[[Linear], nn.Module]) -> int:
+    """Swaps every Linear for make(linear), one at a time so each float weight is freed as it goes."""
+    slots = _linear_slots(model)
+    for parent, name in slots:
+        linear = getattr(parent, name)
+        _check_single_rank(linear, "quantization")
+        setattr(parent, name, make(linear))
+        del linear
+    return len(slots)
+
+
+@torch.inference_mode()
+def quantize_model_(model: nn.Module, method: str) -> int:
+    """Quantizes every Linear in place with int8 / int4 / fp8; returns how many."""
+    if method not in QUANTIZED_LINEARS:
+        raise ValueError(f"quantization: must be one of {sorted(QUANTIZED_LINEARS)}, got {method!r}")
+    make = QUANTIZED_LINEARS[method]
+    count = replace_linears_(model, lambda linear: make(linear.weight, linear.bias))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log.info("quantized %d linear layers to %s", count, method)
+    return count
+
+
+def prepare_int4_checkpoint_(model: nn.Module, quant: CheckpointQuantization) -> None:
+    """Empty Int4Linears in place of the Linears, for load_weights to fill from a repacked checkpoint."""
+    replace_linears_(model, lambda linear: Int4Linear.empty(
+        linear.weight.shape[1], linear.weight.shape[0], quant.group_size, linear.bias, linear.weight.device))
+
+
+def load_weights(model: nn.Module, loaded, config) -> None:
+    """model.load_weights(loaded.weights), quantized as config (an EngineConfig) asks.
+    `loaded` is engine.loader.LoadedModel; its `quantization` is the checkpoint's own, if any."""
+    checkpoint: CheckpointQuantization | None = getattr(loaded, "quantization", None)
+    method = config.quantization
+    if config.tensor_parallel_size > 1 and (method or checkpoint or config.kv_cache_dtype != "auto"):
+        field = "kv_cache_dtype" if not (method or checkpoint) else "quantization"
+        raise ValueError(f"{field}: not supported with tensor_parallel_size > 1 yet")
+    check_kv_cache_dtype(config.kv_cache_dtype, model.norm.device)
+    if checkpoint is not None:
+        if method not in (None, "int4"):
+            raise ValueError(f"quantization: {loaded.source} is a 4-bit {checkpoint.method.upper()} checkpoint; "
+                             f"leave quantization unset or set it to 'int4', not {method!r}")
+        prepare_int4_checkpoint_(model, checkpoint)
+        model.load_weights(repack_checkpoint(loaded.weights, checkpoint))
+    else:
+        model.load_weights(loaded.weights)
+        if method is not None:
+            quantize_model_(model, method)
+    calibrate_kv_cache_(model, config.kv_cache_dtype, loaded.tokenizer, config.block_size)

@@ -1,0 +1,218 @@
+"""Weight-only int4 linear, groups of G along K with zero points (the AWQ/GPTQ scheme):
+W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], q packed eight to an int32 along K
+(qweight [N, K/8], nibble i of word j is column 8j + i; see kernels/reference.py).
+
+The GEMV turns nibbles into floats without an int-to-float conversion (a quarter-rate instruction
+that would bound the kernel below DRAM bandwidth): the nibble is OR-ed into the top mantissa bits of
+16.0, giving the float 16 + q exactly. Per word it then applies scale and zero point once:
+sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.quant_linear_config import (
+    GEMM_MAX_M,
+    GEMV_MAX_M,
+    GemmConfig,
+    GemvConfig,
+    as_rows,
+    dot_precision,
+    gemm_config_for,
+)
+
+
+@triton.jit
+def _nibble_plus_16(words, i: tl.constexpr):
+    """Nibble i of each int32 word as the float32 16 + nibble (the nibble lands in mantissa bits 19..22)."""
+    if 19 - 4 * i >= 0:
+        shifted = words << (19 - 4 * i)
+    else:
+        shifted = words >> (4 * i - 19)
+    return ((shifted & 0x780000) | 0x41800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)[:, None]
+    num_words = K // 8
+    words = tl.arange(0, BLOCK_K // 8)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+    for w0 in range(0, num_words, BLOCK_K // 8):
+        w_idx = w0 + words
+        w_ok = w_idx < num_words
+        tile_ok = row_ok[:, None] & w_ok[None, :]
+        q = tl.load(qw_ptr + rows64 * stride_qn + w_idx[None, :], mask=tile_ok, other=0)
+        group = (w_idx * 8) // GROUP_SIZE
+        s = tl.load(scales_ptr + rows64 * stride_sn + group[None, :], mask=tile_ok, other=0.0)
+        z = tl.load(zeros_ptr + rows64 * stride_zn + group[None, :], mask=tile_ok, other=0).to(tl.float32)
+        dot = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_row + w_idx * 8 + i, mask=w_ok, other=0.0).to(tl.float32)
+            dot += _nibble_plus_16(q, i) * xi[None, :]
+            x_sum += xi
+        acc += s * (dot - (z + 16.0) * x_sum[None, :])
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+_int4_gemv_autotuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+        for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 256, 4), (4, 2048, 8)]
+    ],
+    key=["N", "K"],
+)(_int4_gemv_kernel)
+
+
+@triton.jit
+def _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk, rn, stride_qn, stride_sn, stride_zn, K, N,
+                      GROUP_SIZE: tl.constexpr):
+    """W^T[rk, rn] as float32: [BLOCK_K, BLOCK_N], zero outside the matrix."""
+    ok = (rk < K)[:, None] & (rn < N)[None, :]
+    rn64 = rn.to(tl.int64)[None, :]
+    words = tl.load(qw_ptr + rn64 * stride_qn + (rk // 8)[:, None], mask=ok, other=0)
+    q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
+    group = (rk // GROUP_SIZE)[:, None]
+    s = tl.load(scales_ptr + rn64 * stride_sn + group, mask=ok, other=0.0)
+    z = tl.load(zeros_ptr + rn64 * stride_zn + group, mask=ok, other=0)
+    return (q - z.to(tl.int32)).to(tl.float32) * s
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptrs, mask=(rm < M)[:, None] & (rk + k0 < K)[None, :], other=0.0)
+        b = _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk + k0, rn, stride_qn, stride_sn, stride_zn, K, N,
+                              GROUP_SIZE)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _int4_dequantize_kernel(
+    qw_ptr, scales_ptr, zeros_ptr, out_ptr,
+    N, K,
+    stride_qn, stride_sn, stride_zn, stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w_t = _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk, rn, stride_qn, stride_sn, stride_zn, K, N, GROUP_SIZE)
+    ptrs = out_ptr + rn.to(tl.int64)[None, :] * stride_on + rk[:, None]
+    tl.store(ptrs, w_t.to(out_ptr.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+           ) -> tuple[int, int]:
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if (x.shape[-1] != k or group_size % 8 or k % group_size or scales.shape != (n, k // group_size)
+            or zeros.shape != scales.shape or qweight.stride(-1) != 1 or scales.stride(-1) != 1
+            or zeros.stride(-1) != 1):
+        raise ValueError(
+            f"int4_linear: x [..., {k}], qweight [{n}, {k // 8}], scales and zeros [{n}, K/G] (unit stride "
+            f"along K) and a group size dividing K that is a multiple of 8 expected; got group_size={group_size}"
+        )
+    return n, k
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in dtype (one pass over the packed weight)."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 8
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, block_k = 64, 64
+    _int4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, zeros, out, n, k, qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    *,
+    gemv: GemvConfig | None = None,
+    gemm: GemmConfig | None = None,
+    max_gemv_m: int = GEMV_MAX_M,
+    max_gemm_m: int = GEMM_MAX_M,
+) -> torch.Tensor:
+    """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype.
+    Without configs, the GEMV is autotuned on CUDA per (N, K)."""
+    n, k = _check(x, qweight, scales, zeros, group_size)
+    rows = as_rows(x)
+    m = rows.shape[0]
+    if m > max_gemm_m:
+        return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    bias_arg = bias if bias is not None else scales
+    args = (rows, qweight, scales, zeros, bias_arg, out, m, n, k,
+            rows.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0))
+    if m <= max_gemv_m:
+        if gemv is None and x.is_cuda:
+            _int4_gemv_autotuned[lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))](
+                *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None
+            )
+        else:
+            cfg = gemv or GemvConfig()
+            _int4_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
+                *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps,
+            )
+    else:
+        cfg = gemm or gemm_config_for(m)
+        _int4_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+            *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return out.view(*x.shape[:-1], n)

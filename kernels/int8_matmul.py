@@ -1,0 +1,133 @@
+"""Weight-only int8 linear: y = x (q * scales[:, None])^T + b, with q [N, K] int8 and one float32 scale
+per output channel. The weight is converted in registers; the per-channel scale is applied once per
+output, after the sum over K. Batch-1 decode is bound by reading the weight, which is half of bf16's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.quant_linear_config import (
+    GEMM_MAX_M,
+    GEMV_MAX_M,
+    GemmConfig,
+    GemvConfig,
+    as_rows,
+    dot_precision,
+    gemm_config_for,
+)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0)  # rows vary fastest: the programs of one weight tile run together
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+_int8_gemv_autotuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+        for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4), (4, 2048, 8)]
+    ],
+    key=["N", "K"],
+)(_int8_gemv_kernel)
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # the [BLOCK_K, BLOCK_N] tile of W^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk + k0 < K
+        a = tl.load(x_ptrs, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & (rn < N)[None, :], other=0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(scales_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    gemv: GemvConfig | None = None,
+    gemm: GemmConfig | None = None,
+    max_gemv_m: int = GEMV_MAX_M,
+    max_gemm_m: int = GEMM_MAX_M,
+) -> torch.Tensor:
+    """x [..., K] @ dequantized(qweight [N, K] int8, scales [N] float32)^T + bias -> [..., N] in x.dtype.
+    Without configs, the GEMV is autotuned on CUDA per (N, K)."""
+    n, k = qweight.shape
+    if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
+        raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
+    rows = as_rows(x)
+    m = rows.shape[0]
+    if m > max_gemm_m:
+        weight = (qweight.to(torch.float32) * scales[:, None]).to(x.dtype)
+        return F.linear(x, weight, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    bias_arg = bias if bias is not None else scales
+    args = (rows, qweight, scales, bias_arg, out, m, n, k, rows.stride(0), qweight.stride(0), out.stride(0))
+    if m <= max_gemv_m:
+        if gemv is None and x.is_cuda:
+            _int8_gemv_autotuned[lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))](*args, HAS_BIAS=bias is not None)
+        else:
+            cfg = gemv or GemvConfig()
+            _int8_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
+                *args, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps
+            )
+    else:
+        cfg = gemm or gemm_config_for(m)
+        _int8_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+            *args, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.view(*x.shape[:-1], n)
