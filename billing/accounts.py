@@ -10,14 +10,15 @@ from datetime import datetime
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from billing.field_checks import MAX_SQL_INT, FieldError, count_limit, optional_text_field, text_field, usd_amount
 from billing.models import ApiKey, Tenant, utcnow
 
 KEY_PREFIX = "tg-"
 DISPLAY_CHARS = 10
 
 
-class AccountError(ValueError):
-    pass
+# a refused account operation; a bad value is refused the same way, before any SQL runs
+AccountError = FieldError
 
 
 def hash_key(key: str) -> str:
@@ -37,8 +38,10 @@ class CreatedKey:
 
 
 def create_tenant(engine: Engine, name: str, budget_usd: float | None = None) -> Tenant:
+    text_field("name", name)
     if not name.strip():
-        raise AccountError("tenant name must not be empty")
+        raise AccountError("name: a tenant name must not be empty")
+    usd_amount("budget_usd", budget_usd)
     with Session(engine, expire_on_commit=False) as s, s.begin():
         if s.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise AccountError(f"tenant {name!r} already exists")
@@ -48,6 +51,7 @@ def create_tenant(engine: Engine, name: str, budget_usd: float | None = None) ->
 
 
 def get_or_create_tenant(engine: Engine, name: str) -> Tenant:
+    text_field("name", name)
     with Session(engine, expire_on_commit=False) as s:
         tenant = s.scalar(select(Tenant).where(Tenant.name == name))
     return tenant if tenant is not None else create_tenant(engine, name)
@@ -59,6 +63,8 @@ def list_tenants(engine: Engine) -> list[Tenant]:
 
 
 def set_tenant_budget(engine: Engine, name: str, budget_usd: float | None) -> None:
+    text_field("name", name)
+    usd_amount("budget_usd", budget_usd)
     with Session(engine) as s, s.begin():
         tenant = s.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is None:
@@ -76,9 +82,12 @@ def create_key(
     name: str | None = None,
     project: str | None = None,
 ) -> CreatedKey:
-    for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_usd", budget_usd)):
-        if value is not None and value < 0:
-            raise AccountError(f"{field} must not be negative")
+    text_field("tenant", tenant)
+    optional_text_field("name", name)
+    optional_text_field("project", project)
+    count_limit("rpm", rpm)
+    count_limit("tpm", tpm)
+    usd_amount("budget_usd", budget_usd)
     key = new_key()
     prefix = key[:DISPLAY_CHARS]
     with Session(engine) as s, s.begin():
@@ -116,6 +125,7 @@ class KeyInfo:
 def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
     q = select(ApiKey, Tenant.name).join(Tenant).order_by(ApiKey.id)
     if tenant is not None:
+        text_field("tenant", tenant)
         q = q.where(Tenant.name == tenant)
     with Session(engine) as s:
         return [KeyInfo(k.id, k.prefix, t, k.name, k.project, k.rpm, k.tpm, k.budget_usd, k.revoked, k.created_at)
@@ -124,8 +134,11 @@ def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
 
 def revoke_key(engine: Engine, key_id_or_prefix: str) -> int:
     """Revoke by numeric id or by display prefix; returns the key's id."""
+    text_field("key", key_id_or_prefix)
     with Session(engine) as s, s.begin():
-        if key_id_or_prefix.isdigit():
+        if key_id_or_prefix.isascii() and key_id_or_prefix.isdigit():
+            if int(key_id_or_prefix) > MAX_SQL_INT:
+                raise AccountError(f"no key {key_id_or_prefix!r}")
             rows = list(s.scalars(select(ApiKey).where(ApiKey.id == int(key_id_or_prefix))))
         else:
             rows = list(s.scalars(select(ApiKey).where(ApiKey.prefix == key_id_or_prefix[:DISPLAY_CHARS])))

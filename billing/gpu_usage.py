@@ -8,6 +8,7 @@ from datetime import datetime
 import pandas as pd
 from sqlalchemy import Engine, String, cast, func, select
 
+from billing.field_checks import text_field
 from billing.models import ModelDeployment, ReplicaInterval
 
 COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
@@ -31,7 +32,7 @@ def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime
         .order_by(day, ReplicaInterval.model)
     )
     if model is not None:
-        q = q.where(ReplicaInterval.model == model)
+        q = q.where(ReplicaInterval.model == text_field("model", model))
     if since is not None:
         q = q.where(start >= since)
     if until is not None:

@@ -15,6 +15,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from sqlalchemy import Engine, func, select
 
+from billing.field_checks import text_field
 from billing.models import ModelDeployment, Tenant, UsageEvent
 from billing.report_query import Db, connect_engine, within
 
@@ -94,7 +95,7 @@ def build_invoice(db: Db, tenant: str, month: str, cache_price_per_1m: Decimal =
 
 def _tenant_id(engine: Engine, name: str) -> int:
     with engine.connect() as conn:
-        tenant_id = conn.scalar(select(Tenant.id).where(Tenant.name == name))
+        tenant_id = conn.scalar(select(Tenant.id).where(Tenant.name == text_field("tenant", name)))
     if tenant_id is None:
         raise ValueError(f"tenant: unknown tenant {name!r}")
     return int(tenant_id)

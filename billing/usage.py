@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 
 import pandas as pd
-from sqlalchemy import Engine, String, cast, func, select
+from sqlalchemy import Engine, String, cast, func, literal, select
 
+from billing.field_checks import text_field
 from billing.models import ApiKey, Tenant, UsageEvent
 
 GROUPS = ("day", "month", "model", "tenant", "key", "user", "status", "endpoint")
@@ -19,7 +20,10 @@ def usage_frame(
     since: datetime | None = None,
     until: datetime | None = None,
     group_by: tuple[str, ...] = ("day", "model"),
+    user: str | None = None,
+    tag: str | None = None,
 ) -> pd.DataFrame:
+    """Filters match exactly (`=`, never LIKE): `tag` is one element of an event's tags."""
     unknown = [g for g in group_by if g not in GROUPS]
     if unknown:
         raise ValueError(f"group_by: unknown {unknown}; choose from {GROUPS}")
@@ -49,7 +53,11 @@ def usage_frame(
         .outerjoin(ApiKey, ApiKey.id == UsageEvent.api_key_id)
     )
     if tenant is not None:
-        q = q.where(Tenant.name == tenant)
+        q = q.where(Tenant.name == text_field("tenant", tenant))
+    if user is not None:
+        q = q.where(UsageEvent.end_user == text_field("user", user))
+    if tag is not None:
+        q = q.where(_has_tag(engine, text_field("tag", tag)))
     if since is not None:
         q = q.where(created >= since)
     if until is not None:
@@ -65,3 +73,10 @@ def usage_frame(
     frame["cost_usd"] = frame["cost_usd"].astype("float64")
     return frame
 
+
+
+def _has_tag(engine: Engine, tag: str):  # type: ignore[no-untyped-def]
+    """EXISTS an element of usage_events.tags (a JSON array) equal to `tag`."""
+    each = "json_array_elements_text" if engine.dialect.name == "postgresql" else "json_each"
+    elements = getattr(func, each)(UsageEvent.tags).table_valued("value")
+    return select(literal(1)).select_from(elements).where(elements.c.value == tag).exists()

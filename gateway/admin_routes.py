@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from billing.admin_keys import check_admin_key
+from billing.field_checks import text_field
 from billing.models import Tenant
+from gateway.auth_throttle import client_address
 from gateway.errors import APIError, invalid_request
 from gateway.service import Gateway
 
@@ -24,13 +26,20 @@ async def require_admin(request: Request) -> Gateway:
     header = request.headers.get("authorization") or ""
     given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
     if not given or await run_in_threadpool(check_admin_key, gw.db, given, request.app.state.admin_key) is None:
-        raise APIError(403 if given else 401, "This endpoint needs the admin key.", "invalid_request_error",
-                       "admin_required")
+        refusal = APIError(403 if given else 401, "This endpoint needs the admin key.", "invalid_request_error",
+                           "admin_required")
+        raise request.app.state.auth_throttle.throttled(refusal, client_address(request))
     return gw
 
 
 class CacheFlush(BaseModel):
     tenant: str = Field(min_length=1, max_length=200)
+
+    @field_validator("tenant")
+    @classmethod
+    def _comparable(cls, v: str) -> str:
+        text_field("tenant", v)
+        return v
 
 
 @admin_router.post("/cache/flush")

@@ -15,8 +15,10 @@ from sqlalchemy.orm import Session
 
 from billing.models import ModelDeployment
 from gateway import errors
+from gateway.access_log import drop_query_strings
 from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
+from gateway.auth_throttle import FailedAuthThrottle
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
@@ -38,6 +40,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        drop_query_strings()
         register_deployments(db, specs)
         gw.ledger.start()
         if settings.semantic_cache:
@@ -62,6 +65,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.state.gateway = gw
     app.state.admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     app.state.session_secret = session_secret(settings)
+    app.state.auth_throttle = FailedAuthThrottle(settings.auth_fail_limit, settings.auth_fail_window_s)
     errors.install(app)
     app.include_router(router)
     app.include_router(admin_router)

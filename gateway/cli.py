@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("--tenant")
     usage.add_argument("--since", type=_date, help="YYYY-MM-DD (inclusive, UTC)")
     usage.add_argument("--until", type=_date, help="YYYY-MM-DD (exclusive, UTC)")
+    usage.add_argument("--user", help="only this end user (the requests' `user` field)")
+    usage.add_argument("--tag", help="only events carrying this tag (a key's project or a request's metadata.tags)")
     usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")
     usage.add_argument("--gpu", action="store_true", help="replica time per model and day: alive, busy, idle rate")
     usage.add_argument("--model", help="with --gpu: only this model")
@@ -211,7 +213,8 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
         _print_frame(frame, args.json, "no replica time recorded")
         return 0
     groups = tuple(g.strip() for g in args.group_by.split(",") if g.strip())
-    frame = usage_frame(_db(settings), tenant=args.tenant, since=args.since, until=args.until, group_by=groups)
+    frame = usage_frame(_db(settings), tenant=args.tenant, since=args.since, until=args.until, group_by=groups,
+                        user=args.user, tag=args.tag)
     if args.json:
         print(frame.to_json(orient="records"))
     elif frame.empty:

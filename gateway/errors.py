@@ -82,8 +82,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
                                "aren't using your HTTP library correctly.)", None, "invalid_json")
+    msg = str(first.get("msg", "Invalid request body")).removeprefix("Value error, ")
+    head, sep, rest = msg.partition(": ")
+    if sep and head and " " not in head:  # our validators say "field.path: problem"
+        loc, msg = (loc if loc[-1:] == [head] else [*loc, head]), rest
     param = ".".join(loc) or None
-    msg = first.get("msg", "Invalid request body")
     if loc:
         msg = f"{param}: {msg}"
     return invalid_request(msg, param, "invalid_value" if loc else "invalid_body")

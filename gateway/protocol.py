@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
+MAX_TAGS = 32
+MAX_TAG_CHARS = 200
+# OpenAI's seed is a 64-bit integer; torch seeds overflow beyond it
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class _Body(BaseModel):
@@ -42,7 +46,7 @@ class _SamplingFields(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
@@ -54,6 +58,40 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Strings with unpaired UTF-16 surrogates (JSON "\\ud800") can be neither tokenized nor stored."""
+        path = unpaired_surrogate_at(data)
+        if path is not None:
+            raise ValueError(f"{path or 'body'}: contains an unpaired UTF-16 surrogate; send valid Unicode text")
+        return data
+
+    @field_validator("user")
+    @classmethod
+    def _storable_user(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _storable_tags(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """metadata.tags is stored on every usage event: a comma list or a list of scalars, bounded."""
+        raw = (v or {}).get("tags")
+        if raw is None:
+            return v
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, list) or any(isinstance(t, (list, dict)) for t in items):
+            raise ValueError("tags: must be a string or a list of strings")
+        if len(items) > MAX_TAGS:
+            raise ValueError(f"tags: at most {MAX_TAGS} tags")
+        for t in items:
+            text = str(t)
+            if len(text) > MAX_TAG_CHARS or "\x00" in text:
+                raise ValueError(f"tags: each tag at most {MAX_TAG_CHARS} characters, without NUL characters")
+        return v
 
     def tags(self) -> list[str]:
         raw = (self.metadata or {}).get("tags")
@@ -77,3 +115,31 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+
+
+def unpaired_surrogate_at(data: Any) -> str | None:
+    """The dotted path of the first string (value or key) in `data` holding an unpaired surrogate, or
+    None. Walks iteratively: deep nesting costs no recursion."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                child = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not _encodable(k):
+                    return path
+                stack.append((child, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

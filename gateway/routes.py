@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
+from billing.admin_keys import check_admin_key
 from gateway.answer_reuse import AUTO_MODEL, CacheOutcome, hit_stream
 from gateway.auth import Principal
+from gateway.auth_throttle import client_address
 from gateway.backends import GenerationRequest
 from gateway.errors import APIError, invalid_request
-from gateway.metrics import CONTENT_TYPE
+from gateway.metrics import CONTENT_TYPE, without_tenant_series
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import RouteDecision
@@ -36,8 +39,9 @@ async def principal(request: Request) -> Principal:
     try:  # a cache miss reads the database in a worker thread, off the event loop
         return await run_in_threadpool(gw.keys.authenticate, header)
     except APIError as e:
-        gw.rejected(e)
-        raise
+        refusal = request.app.state.auth_throttle.throttled(e, client_address(request)) if e.status == 401 else e
+        gw.rejected(refusal)
+        raise refusal from None
 
 
 @router.get("/health")
@@ -47,8 +51,24 @@ async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any]:
 
 
 @router.get("/metrics")
-async def metrics(gw: Gateway = Depends(gateway)) -> Response:
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+async def metrics(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+    """Per-tenant series (names, spend, budgets) only for a scrape with an admin key: tenants can reach
+    this port too, and must not learn about each other."""
+    text = gw.metrics.render()
+    if not await _is_admin(request, gw):
+        text = without_tenant_series(text)
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+async def _is_admin(request: Request, gw: Gateway) -> bool:
+    header = request.headers.get("authorization") or ""
+    given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+    if not given:
+        return False
+    try:
+        return await run_in_threadpool(check_admin_key, gw.db, given, request.app.state.admin_key) is not None
+    except SQLAlchemyError:  # the database is down: the scrape still gets the series anyone may see
+        return False
 
 
 @router.get("/v1/models")

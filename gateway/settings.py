@@ -24,6 +24,8 @@ _ENV = {
     "semantic_cache": "TOLLGATE_SEMANTIC_CACHE",
     "cache_ttl_s": "TOLLGATE_CACHE_TTL_S",
     "cache_max_entries": "TOLLGATE_CACHE_MAX_ENTRIES",
+    "auth_fail_limit": "TOLLGATE_AUTH_FAIL_LIMIT",
+    "auth_fail_window_s": "TOLLGATE_AUTH_FAIL_WINDOW_S",
 }
 
 
@@ -43,6 +45,9 @@ class Settings(BaseModel):
     semantic_cache: bool = True  # answer repeated questions from the cache (kept under home/cache)
     cache_ttl_s: float = 7 * 24 * 3600
     cache_max_entries: int = 200_000
+    # failed authentications one client address may make per window before the next ones get 429
+    auth_fail_limit: int = Field(20, ge=1)
+    auth_fail_window_s: float = Field(60.0, gt=0)
 
 
     @classmethod

@@ -12,12 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from billing.pricing import Prices
 from engine.config import EngineConfig
+from gateway.model_roots import checked_source
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
+MAX_SPEC_BYTES = 64 * 1024
 
 
 class Pricing(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     input_per_1m: float = Field(0.0, ge=0)
     output_per_1m: float = Field(0.0, ge=0)
@@ -28,7 +30,7 @@ class Pricing(BaseModel):
 
 
 class Resources(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_gpus: float = Field(0, ge=0)  # 0: a CPU replica
     num_cpus: float = Field(1, ge=0)
@@ -38,7 +40,7 @@ class Resources(BaseModel):
 class Autoscaling(BaseModel):
     """Ray Serve's autoscaling_config fields that a spec may set."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     min_replicas: int = Field(0, ge=0)
     max_replicas: int = Field(1, ge=1)
@@ -84,6 +86,15 @@ class ModelSpec(BaseModel):
             raise ValueError(f"{unknown[0]}: not an engine setting (known: {sorted(_ENGINE_FIELDS)})")
         return v
 
+    @model_validator(mode="after")
+    def _gpus_for_tensor_parallel(self) -> "ModelSpec":
+        tp = self.engine.get("tensor_parallel_size", 1)
+        gpus = self.resources.num_gpus
+        if isinstance(tp, int) and gpus > 0 and tp > gpus:
+            raise ValueError(f"engine.tensor_parallel_size: {tp} ranks need {tp} GPUs per replica, "
+                             f"resources.num_gpus is {gpus:g}")
+        return self
+
 
 class SpecError(ValueError):
     """All problems of one spec, each as `field.path: message`."""
@@ -119,12 +130,48 @@ def parse_spec(data: Any, source: str = "spec") -> ModelSpec:
 
 
 def load_spec(path: str | Path) -> ModelSpec:
-    with open(path, encoding="utf-8") as f:
+    """A spec file: at most MAX_SPEC_BYTES of YAML read with safe_load (plain data, no Python objects) and
+    no aliases, whose model paths lie under the allowed roots (gateway/model_roots.py)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_SPEC_BYTES + 1)
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(str(path), [f"file: larger than {MAX_SPEC_BYTES} bytes; a model spec is a few lines"])
+    try:
+        text = raw.decode("utf-8")
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            # an alias repeats a subtree by reference: nested ones expand exponentially once serialized
+            raise SpecError(str(path), ["file: YAML aliases (*name) are not allowed in a model spec"])
+        data = yaml.safe_load(text)
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise SpecError(str(path), [f"not valid YAML: {e}"]) from None
+    return _with_checked_paths(parse_spec(data, str(path)), path.parent, str(path))
+
+
+def _with_checked_paths(spec: ModelSpec, spec_dir: Path, source: str) -> ModelSpec:
+    """The spec with its model and tokenizer paths made absolute; SpecError when one leaves the roots."""
+    problems: list[str] = []
+
+    def check(field: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
         try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise SpecError(str(path), [f"not valid YAML: {e}"]) from None
-    return parse_spec(data, str(path))
+            return checked_source(field, value, spec_dir)
+        except ValueError as e:
+            problems.append(str(e))
+            return value
+
+    engine = dict(spec.engine)
+    if "tokenizer" in engine:
+        engine["tokenizer"] = check("engine.tokenizer", engine["tokenizer"])
+    speculative = engine.get("speculative_config")
+    if isinstance(speculative, dict) and "draft_model" in speculative:
+        engine["speculative_config"] = {**speculative, "draft_model": check(
+            "engine.speculative_config.draft_model", speculative["draft_model"])}
+    checked = spec.model_copy(update={"source": check("source", spec.source), "engine": engine})
+    if problems:
+        raise SpecError(source, problems)
+    return checked
 
 
 def load_specs(directory: str | Path) -> list[ModelSpec]:

@@ -11,7 +11,9 @@ from starlette.responses import FileResponse, Response
 from billing.admin_keys import check_admin_key
 from gateway.dashboard.guard import (AdminForm, admin_form, checked_form, codec, gateway, read_session, redirect,
                                      set_cookie)
+from gateway.auth_throttle import client_address
 from gateway.dashboard.render import TEMPLATES, page, secure
+from gateway.errors import APIError
 from gateway.dashboard.session import COOKIE
 
 log = logging.getLogger("tollgate.dashboard")
@@ -45,7 +47,11 @@ async def login(request: Request) -> Response:
     key_id = await run_in_threadpool(check_admin_key, gateway(request).db, key, request.app.state.admin_key)
     if key_id is None:
         log.info("dashboard sign-in refused")
-        return _login_page(request, 401, "That is not an admin key. Tenants' API keys cannot sign in here.")
+        refusal = APIError(401, "That is not an admin key. Tenants' API keys cannot sign in here.", "invalid_request_error")
+        refusal = request.app.state.auth_throttle.throttled(refusal, client_address(request))
+        response = _login_page(request, refusal.status, refusal.message)
+        response.headers.update(refusal.headers)
+        return response
     codec(request).end(session)
     log.info("dashboard sign-in with admin key id %d", key_id)
     response = redirect(request, "/admin")

@@ -15,6 +15,7 @@ from starlette.responses import RedirectResponse, Response
 from billing.admin_keys import ENV_KEY_ID, admin_key_active
 from gateway.dashboard.render import page, secure
 from gateway.dashboard.session import COOKIE, AdminSession, SessionCodec
+from gateway.errors import APIError
 from gateway.service import Gateway
 
 MAX_FORM_BYTES = 64 * 1024
@@ -60,9 +61,13 @@ async def send_refusal(_: Request, exc: Exception) -> Response:
 
 
 async def admin_session(request: Request) -> AdminSession:
-    """Dependency: the signed-in session; otherwise a redirect to the sign-in page."""
+    """Dependency: the signed-in session; otherwise a redirect to the sign-in page, or for an API client
+    (one that sent an Authorization header: pages take no keys) a 403 in OpenAI's error shape."""
     session = read_session(request)
     if session is None or session.key_id is None or not await _key_valid(request, session.key_id):
+        if "authorization" in request.headers:
+            raise APIError(403, "Dashboard pages need a signed-in session (/admin/login), not a key.",
+                           "invalid_request_error", "admin_required")
         raise Refused(redirect(request, LOGIN_PATH))
     return session
 

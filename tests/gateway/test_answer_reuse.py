@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from billing.accounts import create_key, create_tenant
 from billing.db import make_engine
-from billing.models import ReplicaInterval, UsageEvent
+from billing.models import ReplicaInterval, Tenant, UsageEvent
 from tests.gateway.conftest import MODEL, make_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -140,9 +140,31 @@ def test_metrics_count_cache_hits_and_tenant_spend(reuse_server):
     with Session(db) as s, s.begin():  # one replica alive 2 minutes, busy 30 s of them
         s.add(ReplicaInterval(model=MODEL, replica="r1", start=now - timedelta(minutes=3),
                               end=now - timedelta(minutes=1), busy_s=30.0, idle_s=90.0))
-    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    text = httpx.get(f"{live.url}/metrics", timeout=30, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     assert f'tollgate_model_replicas{{model="{MODEL}",state="running"}} 1.0' in text
     assert f'tollgate_model_gpu_idle_ratio{{model="{MODEL}"}} 0.75' in text
     hits = [line for line in text.splitlines() if line.startswith("tollgate_cache_hits_total{")]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1
     assert any(line.startswith('tollgate_tenant_spend_usd_total{tenant="beta"}') for line in text.splitlines())
+
+
+
+def test_nothing_a_client_sends_moves_it_into_another_tenants_cache(reuse_server):
+    live, db, keys = reuse_server
+    question = [{"role": "user", "content": "Which planet is known as the red planet?"}]
+    assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "miss"
+    assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "hit"
+    # alpha claims to be beta in every field a body has; the namespace comes from the key alone
+    spoofed = chat(live, keys["alpha"], messages=question, model="auto", user="beta",
+                   metadata={"tenant": "beta", "tenant_id": 2, "tags": ["beta"]})
+    assert spoofed.status_code == 200 and spoofed.headers["x-tollgate-cache"] == "miss"
+    # the admin flush takes names with SQL metacharacters as plain names; tables stay intact
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for name in ("'; DROP TABLE tenants; --", "%", "b%", "_eta", "\\", "beta' OR '1'='1"):
+        r = httpx.post(f"{live.url}/admin/cache/flush", json={"tenant": name}, headers=admin, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "tenant_not_found", name
+    r = httpx.post(f"{live.url}/admin/cache/flush", json={"tenant": "beta\x00"}, headers=admin, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+    assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "hit"
+    with Session(db) as s:
+        assert sorted(s.scalars(select(Tenant.name))) == ["alpha", "beta"]

@@ -1,0 +1,52 @@
+"""Checks for the names, filters and limits that operators and clients give and that reach SQL:
+what the columns can hold on both SQLite and PostgreSQL (PostgreSQL refuses NUL characters in text,
+neither database can store unpaired UTF-16 surrogates, INTEGER columns stop at 2**31 - 1). A value
+that fails is a ValueError naming its field, raised before any SQL runs. SQL metacharacters need no
+check: every value travels as a bound parameter and is compared with `=`, never LIKE."""
+
+from __future__ import annotations
+
+import math
+
+MAX_NAME_CHARS = 200  # the String(200) columns: tenant, key name, project, end user, model
+MAX_SQL_INT = 2**31 - 1
+
+
+class FieldError(ValueError):
+    """A value that the database cannot store or compare; the message starts with the field's name."""
+
+
+def text_field(field: str, value: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    if not isinstance(value, str):
+        raise FieldError(f"{field}: expected text, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise FieldError(f"{field}: at most {max_chars} characters, got {len(value)}")
+    if "\x00" in value:
+        raise FieldError(f"{field}: must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FieldError(f"{field}: contains an unpaired UTF-16 surrogate") from None
+    return value
+
+
+def optional_text_field(field: str, value: str | None, max_chars: int = MAX_NAME_CHARS) -> str | None:
+    return None if value is None else text_field(field, value, max_chars)
+
+
+def count_limit(field: str, value: int | None) -> int | None:
+    """An rpm or tpm limit: None (unlimited) or a whole number 0 .. 2**31 - 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SQL_INT:
+        raise FieldError(f"{field}: must be a whole number from 0 to {MAX_SQL_INT}, got {value!r}")
+    return value
+
+
+def usd_amount(field: str, value: float | None) -> float | None:
+    """A budget in USD: None (unlimited) or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise FieldError(f"{field}: must be a finite amount >= 0, got {value!r}")
+    return float(value)
