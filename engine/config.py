@@ -62,6 +62,10 @@ class EngineConfig:
                  f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.speculative_config is not None:
+            from engine.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -165,7 +165,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        # kept draft tokens count as computed a moment before they are appended to token_ids
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(seq.block_ids))
         if num_full <= seq.num_registered_blocks:
             return
         self._update_hashes(seq, num_full * bs)
@@ -176,6 +177,13 @@ class KVCacheManager:
             parent_id = seq.block_ids[i - 1] if i else None
             self.pool.register(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent_id)
         seq.num_registered_blocks = num_full
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Releases seq's blocks past those that num_tokens tokens fill (the slots of rejected draft tokens)."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_ids) > keep:
+            self.pool.release(list(reversed(seq.block_ids[keep:])))
+            del seq.block_ids[keep:]
 
     def free(self, seq: Sequence) -> None:
         # the tail blocks go first into the free queue, so they are evicted before the shared prefix

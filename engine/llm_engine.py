@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner, SampledToken
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.speculator import make_speculator
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,14 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_and_dtype(config)
         torch.manual_seed(config.seed)
         log.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
+        # a draft model loads first: on a GPU the target's KV pool is sized from the memory left after it
+        self.speculator = make_speculator(config, self.device, self.dtype)
         loaded = load_model(config.model, self.device, self.dtype, config.tokenizer)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
+        if self.speculator is not None:
+            self.speculator.check_target(self.model_config, self.max_model_len)
         model = LlamaForCausalLM(self.model_config, self.max_model_len, self.device, self.dtype)
         load_weights(model, loaded, config)  # quantizes as config.quantization / kv_cache_dtype ask
         model.eval()
@@ -161,6 +167,8 @@ class LLMEngine:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         state.metrics.finished_time = time.monotonic()
         return self._output(state)
 
@@ -170,6 +178,8 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.metrics.num_preemptions += len(batch.preempted)
         for seq in batch.preempted:
@@ -189,14 +199,19 @@ class LLMEngine:
                 metrics.num_computed_prompt_tokens += computed
                 self.metrics.prompt_tokens_computed += computed
         sampled = self.runner.execute(batch)
+        num_sampled = Counter(id(item.seq) for item in sampled)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
+            if seq.spec_token_ids:
+                self._drop_rejected_drafts(seq, num_sampled[id(seq)] - 1)
             self.kv.cache_computed_blocks(seq)
         self.metrics.num_steps += 1
-        self.metrics.generation_tokens += len(sampled)
         touched: dict[str, RequestState] = {}
         now = time.monotonic()
         for item in sampled:
+            if item.seq.finished:  # kept drafts after a stop in the same step
+                continue
+            self.metrics.generation_tokens += 1
             state = self.requests[item.seq.request_id]
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -212,7 +227,19 @@ class LLMEngine:
                                             max(seq.num_output_tokens for seq in state.seqs))
             if state.stream or finished:
                 outputs.append(self._output(state))
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return outputs
+
+    def _drop_rejected_drafts(self, seq: Sequence, num_kept: int) -> None:
+        """After a verification: the KV of rejected draft tokens no longer counts and their blocks go back;
+        the slot for the target's own token, computed next step, stays."""
+        seq.num_computed_tokens -= len(seq.spec_token_ids) - num_kept
+        self.kv.trim(seq, seq.num_computed_tokens + 1)
+        self.metrics.spec_verifications += 1
+        self.metrics.spec_draft_tokens += len(seq.spec_token_ids)
+        self.metrics.spec_accepted_tokens += num_kept
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
 
     def _append_token(self, item: SampledToken) -> None:
         seq, token = item.seq, item.token_id
@@ -242,6 +269,7 @@ class LLMEngine:
                 seq.text += seq.detokenizer.finish().rstrip("\ufffd")
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, stop_reason
+            self.kv.cache_computed_blocks(seq)  # kept drafts counted computed before they were appended
             self.scheduler.finish(seq)
 
     @staticmethod

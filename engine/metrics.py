@@ -25,6 +25,10 @@ class EngineMetrics:
     num_preemptions: int = 0
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # speculative decoding: sequence-steps that verified drafts, draft tokens verified, draft tokens kept
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     ttft_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
     tpot_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -59,4 +63,10 @@ class EngineMetrics:
             "ttft_p99_s": _percentile(ttft, 0.99),
             "tpot_p50_s": _percentile(tpot, 0.5),
             "tpot_p99_s": _percentile(tpot, 0.99),
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None,
+            # draft tokens kept per verification (0..k); each verification also yields one token of the target's
+            "spec_mean_accepted_length": (self.spec_accepted_tokens / self.spec_verifications
+                                          if self.spec_verifications else None),
         }

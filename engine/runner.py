@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -19,6 +20,7 @@ from engine.quantization.kv_cache import kv_cache_torch_dtype
 from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs the batch; returns logits [N, V] for the N sequences whose tokens are all computed now."""
+        """Runs the batch; returns logits for the sequences whose tokens are all computed now: one row each, and
+        before it one per draft token of a sequence that speculates (its last token's row, then its drafts')."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
         meta, logits_indices = inputs.meta, inputs.logits_indices
         if self.graphs is not None and meta.decode_only and len(batch) <= self.graphs.max_batch_size:
@@ -127,7 +130,7 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
         sampled_seqs = [
-            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens
+            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
         ]
         if not logits_indices:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), []
@@ -137,7 +140,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """The next tokens of each caught-up sequence: one, or for one that speculates its kept drafts and one more."""
         logits, seqs = self.forward_logits(batch)
+        if any(seq.spec_token_ids for seq in seqs):
+            return self._verify_drafts(logits, seqs)
+        return self._sample(logits, seqs)
+
+    def _verify_drafts(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        last_rows = np.cumsum([1 + len(seq.spec_token_ids) for seq in seqs]) - 1
+        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+        drafted = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        out: list[list[SampledToken]] = [[] for _ in seqs]
+        if plain:
+            rows = torch.tensor(last_rows[plain], device=logits.device)
+            for i, item in zip(plain, self._sample(logits[rows], [seqs[i] for i in plain])):
+                out[i].append(item)
+        kept = rejection_sample(
+            logits,
+            [int(last_rows[i]) - len(seqs[i].spec_token_ids) for i in drafted],
+            [seqs[i].spec_token_ids for i in drafted],
+            [seqs[i].spec_draft_probs for i in drafted],
+            [seqs[i].params for i in drafted],
+            [seqs[i].generator for i in drafted],
+        )
+        for i, tokens in zip(drafted, kept):
+            out[i] = [SampledToken(seqs[i], token, None) for token in tokens]
+        return [item for items in out for item in items]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         if not seqs:
             return []
         rows = [

@@ -12,7 +12,8 @@ import torch
 from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
 
-__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties", "suppress_tokens"]
+__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties", "processed_probs", "sample_from_probs",
+           "suppress_tokens"]
 
 _NEG_INF = float("-inf")
 
@@ -135,14 +136,23 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab_size:
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a row is sampled from: temperature, then top-k / top-p / min-p. Rows need temperature > 0."""
+    temperature = _per_row([p.temperature for p in params], logits.device).unsqueeze(1)
+    return _filter_support(logits / temperature, params).softmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs, each seeded row drawn from its own generator."""
+    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token j with probability p[j].
+    noise = _exponential_noise(generators, probs.shape[-1], probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Samples one token per row of float32 logits; every row here has temperature > 0."""
-    params = [r.params for r in rows]
-    temperature = _per_row([p.temperature for p in params], logits.device).unsqueeze(1)
-    probs = _filter_support(logits / temperature, params).softmax(dim=-1)
-    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token j with probability p[j].
-    noise = _exponential_noise([r.generator for r in rows], logits.shape[-1], logits.device)
-    return (probs / noise).argmax(dim=-1)
+    probs = processed_probs(logits, [r.params for r in rows])
+    return sample_from_probs(probs, [r.generator for r in rows])
 
 
 def _logprobs(raw_logits: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]

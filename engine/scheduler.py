@@ -54,8 +54,21 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def _fit_draft_tokens(self, seq: Sequence, budget: int, has_room: bool) -> tuple[int, bool]:
+        """A decoding sequence's draft tokens take what is left of the budget and blocks beyond one per running
+        sequence, so they never cost another sequence its place; without room it decodes one token."""
+        del seq.spec_token_ids[budget - 1 :]
+        num_new = 1 + len(seq.spec_token_ids)
+        needed = self.kv.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+        if seq.spec_token_ids and self.kv.num_free_blocks - needed >= len(self.running):
+            if self.kv.allocate(seq, num_new):
+                return num_new, True
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        return 1, has_room
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -75,6 +88,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             has_room = num_new == 1 and seq.num_computed_tokens < len(seq.block_ids) * self.kv.block_size
+            if seq.spec_token_ids:
+                num_new, has_room = self._fit_draft_tokens(seq, budget, has_room)
             while not has_room and not self.kv.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -65,6 +65,11 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
         self.num_emitted_logprobs = 0
+        # Draft tokens to verify after token_ids in the next step (speculative decoding). They are never part
+        # of token_ids: the kept ones are appended once the target has checked them.
+        self.spec_token_ids: list[int] = []
+        # [len(spec_token_ids), V]: the distribution a draft model drew them from; None for a deterministic proposal
+        self.spec_draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
