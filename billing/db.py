@@ -9,24 +9,28 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, **kwargs: Any) -> Engine:
+    """`busy_timeout_s`: how long a statement waits for a locked SQLite file, or for a PostgreSQL
+    connection, before it fails."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
-        event.listen(engine, "connect", _sqlite_pragmas)
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False}, **kwargs)
+        event.listen(engine, "connect", lambda conn, record: _sqlite_pragmas(conn, busy_timeout_s))
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    if url.startswith("postgresql"):
+        kwargs.setdefault("connect_args", {"connect_timeout": max(1, round(busy_timeout_s))})
     return create_engine(url, **kwargs)
 
 
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+def _sqlite_pragmas(dbapi_conn: Any, busy_timeout_s: float) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
     cur.close()
 
 

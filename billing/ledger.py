@@ -1,18 +1,26 @@
 """The usage ledger: events are queued by the request path and written by one background thread in
 batches. Each batch is one transaction that inserts the events (skipping request ids already
-stored) and adds their cost and tokens to the counters budgets and tpm limits read."""
+stored) and adds their cost and tokens to the counters budgets and tpm limits read.
+
+While the database is unreachable the events wait: in memory up to `max_buffer`, and beyond that,
+and whenever a batch fails, in JSONL segments under `spill_dir` (billing/ledger_spill.py). The
+writer retries with backoff; once a write succeeds it replays the spilled segments (oldest first)
+before newer events. Segments left by a process that died are replayed by the next one. Without a
+spill dir the events wait in memory only."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete
 
 from billing.db import dialect_insert
+from billing.ledger_spill import SpillDir, read_segment
 from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
 from billing.periods import minute_of, month_of
 
@@ -20,28 +28,40 @@ log = logging.getLogger("tollgate.ledger")
 
 _EVENT_COLUMNS = [c.name for c in UsageEvent.__table__.columns if c.name != "id"]
 
+Row = dict[str, Any]
+Queued = tuple[int, Row]  # (this process's sequence number, row)
+
 
 class Ledger:
     def __init__(self, engine: Engine, *, max_batch: int = 1000, linger_s: float = 0.05, retry_delay_s: float = 0.5,
-                 cleanup_every_s: float = 60.0) -> None:
+                 max_retry_delay_s: float = 5.0, cleanup_every_s: float = 60.0, spill_dir: Path | None = None,
+                 max_buffer: int = 10_000) -> None:
         self._engine = engine
         self._max_batch = max_batch
         # how long the writer waits for more events before writing a batch; flush() and close() cut it short
         self._linger_s = linger_s
-        self._flush_wanted = 0
+        self._flush_wanted = 0  # flush() waits for every event up to this sequence number
         self._retry_delay_s = retry_delay_s
+        self._max_retry_delay_s = max_retry_delay_s
         self._cleanup_every_s = cleanup_every_s
+        self._max_buffer = max_buffer
         self._cond = threading.Condition()
-        self._queue: list[dict[str, Any]] = []
-        self._recorded = 0
-        self._written = 0  # events handed to the database (inserted or already present)
+        self._queue: deque[Queued] = deque()
+        self._seq = 0
+        self._unwritten: set[int] = set()  # recorded and not yet in the database: queued, in flight or spilled
         self._stopping = False
+        self._down = False  # the last write failed: the writer is backing off
         self._thread: threading.Thread | None = None
-        # what is queued but not yet in the counters, so that limits see it without lag
+        self._spill = SpillDir(spill_dir) if spill_dir is not None else None
+        self._spill_lock = threading.Lock()
+        self._orphans_pending = self._spill is not None
+        # what is recorded but not yet in the counters, so that limits see it without lag
         self._pending_spend: dict[tuple[str, int], float] = defaultdict(float)
         self._pending_tokens: dict[int, int] = defaultdict(int)
         self.inserted_total = 0
         self.failed_batches = 0
+        self.spilled_total = 0  # events of this process moved to disk
+        self.replayed_total = 0  # events of dead processes replayed from their segments
 
     def start(self) -> "Ledger":
         if self._thread is None:
@@ -57,22 +77,29 @@ class Ledger:
                                 ("cache_hit", False), ("latency_s", 0.0), ("cost_usd", 0.0)):
             if row[column] is None:
                 row[column] = default
+        overflow: list[Queued] = []
         with self._cond:
             if self._stopping:
                 raise RuntimeError("ledger is closed")
-            self._queue.append(row)
-            self._recorded += 1
+            self._seq += 1
+            self._queue.append((self._seq, row))
+            self._unwritten.add(self._seq)
             self._add_pending(row, +1)
+            if self._spill is not None and len(self._queue) > self._max_buffer:
+                overflow = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
             self._cond.notify_all()
+        if overflow:
+            log.warning("ledger buffer over %d events; %d spilled to disk", self._max_buffer, len(overflow))
+            self._set_aside(overflow)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every event recorded before this call is written; False on timeout."""
+        """Wait until every event recorded before this call is in the database; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            target = self._recorded
+            target = self._seq
             self._flush_wanted = max(self._flush_wanted, target)
             self._cond.notify_all()
-            while self._written < target:
+            while min(self._unwritten, default=target + 1) <= target:
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("ledger writer is not running")
                 left = None if deadline is None else deadline - time.monotonic()
@@ -82,15 +109,17 @@ class Ledger:
         return True
 
     def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued; with the database down, spill it (when a spill dir is set) and stop."""
         if self._thread is None:
+            if self._spill is not None:
+                self._spill.close()
             return
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.error("ledger writer did not finish within %ss; %d events unwritten",
-                      timeout, self._recorded - self._written)
+            log.error("ledger writer did not finish within %ss; %d events unwritten", timeout, len(self._unwritten))
         self._thread = None
 
     def pending_spend(self, scope: str, scope_id: int) -> float:
@@ -101,9 +130,19 @@ class Ledger:
 
     @property
     def backlog(self) -> int:
-        return self._recorded - self._written
+        """Events recorded by this process and not yet in the database (in memory or on disk)."""
+        return len(self._unwritten)
 
-    def _add_pending(self, row: dict[str, Any], sign: int) -> None:
+    @property
+    def buffered(self) -> int:
+        """Events waiting in memory (the rest of the backlog is in flight or on disk)."""
+        return len(self._queue)
+
+    @property
+    def database_down(self) -> bool:
+        return self._down
+
+    def _add_pending(self, row: Row, sign: int) -> None:
         cost = sign * float(row["cost_usd"])
         tokens = sign * (int(row["prompt_tokens"]) + int(row["completion_tokens"]))
         if row["api_key_id"] is not None:
@@ -112,37 +151,149 @@ class Ledger:
         if row["tenant_id"] is not None:
             self._pending_spend[("tenant", row["tenant_id"])] += cost
 
+    def _written(self, rows: list[Queued]) -> None:
+        with self._cond:
+            for seq, row in rows:
+                if seq in self._unwritten:
+                    self._unwritten.discard(seq)
+                    self._add_pending(row, -1)
+            self._cond.notify_all()
+
+    # ---- the writer thread ------------------------------------------------------------------
+
     def _run(self) -> None:
         last_cleanup = time.monotonic()
+        delay = self._retry_delay_s
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue and self._stopping:
-                    return
-                linger_until = time.monotonic() + self._linger_s
-                while (not self._stopping and len(self._queue) < self._max_batch
-                       and self._flush_wanted <= self._written and time.monotonic() < linger_until):
-                    self._cond.wait(linger_until - time.monotonic())
-                batch = self._queue[: self._max_batch]
-            try:
-                self._write(batch)
-            except Exception:
-                self.failed_batches += 1
-                log.exception("ledger batch of %d events failed; retrying", len(batch))
-                time.sleep(self._retry_delay_s)
-                continue
-            with self._cond:
-                del self._queue[: len(batch)]
-                for row in batch:
-                    self._add_pending(row, -1)
-                self._written += len(batch)
-                self._cond.notify_all()
-            if time.monotonic() - last_cleanup > self._cleanup_every_s:
+                self._wait_for_work(delay)
+                batch = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
+                stopping = self._stopping
+            ok = self._replay_spilled()
+            if batch:
+                if ok:
+                    ok = self._try_write(batch)
+                if not ok:
+                    self._set_aside(batch)
+            if ok:
+                if self._down:
+                    log.warning("ledger: the database is back; spilled events replayed")
+                self._down, delay = False, self._retry_delay_s
+            else:
+                if self._down:
+                    delay = min(delay * 2, self._max_retry_delay_s)
+                else:
+                    log.error("ledger: the database is unreachable; events wait in %s",
+                              "memory" if self._spill is None else f"memory and {self._spill.path}")
+                self._down = True
+            if stopping and self._finish(ok):
+                return
+            if ok and time.monotonic() - last_cleanup > self._cleanup_every_s:
                 last_cleanup = time.monotonic()
                 self._cleanup()
 
-    def _write(self, batch: list[dict[str, Any]]) -> None:
+    def _finish(self, ok: bool) -> bool:
+        """On close: True when the writer may stop, every event being in the database or on disk. With the
+        database down and no spill dir it keeps retrying until close() stops waiting."""
+        with self._cond:
+            left = list(self._queue) if not ok and self._spill is not None else []
+            if left:
+                self._queue.clear()
+            done = not self._queue
+        if left:
+            self._set_aside(left)
+        if done and (ok or self._spill is not None):
+            if self._spill is not None:
+                with self._spill_lock:
+                    self._spill.close()
+            return True
+        return False
+
+    def _wait_for_work(self, delay: float) -> None:
+        """Under self._cond: until there is something to write (or, when down, until the next retry)."""
+        if self._down:
+            retry_at = time.monotonic() + delay
+            # closing with a spill dir: one more try, then the rest goes to disk (see _finish)
+            while not (self._stopping and self._spill is not None) and time.monotonic() < retry_at:
+                self._cond.wait(retry_at - time.monotonic())
+            return
+        while not self._queue and not self._stopping and not self._spill_waiting():
+            self._cond.wait()
+        linger_until = time.monotonic() + self._linger_s
+        while (self._queue and not self._stopping and len(self._queue) < self._max_batch
+               and self._queue[0][0] > self._flush_wanted and time.monotonic() < linger_until):
+            self._cond.wait(linger_until - time.monotonic())
+
+    def _spill_waiting(self) -> bool:
+        return self._spill is not None and (self._orphans_pending or self._spill.has_segments)
+
+    def _try_write(self, batch: list[Queued]) -> bool:
+        try:
+            self._write([row for _, row in batch])
+        except Exception:
+            self.failed_batches += 1
+            # the first failure with its traceback; while the database stays down, one line per retry
+            log.warning("ledger batch of %d events failed", len(batch), exc_info=not self._down)
+            return False
+        self._written(batch)
+        return True
+
+    def _set_aside(self, rows: list[Queued]) -> None:
+        """Events that cannot be written now: to disk when a spill dir is set, else back to the queue's front."""
+        if self._spill is not None:
+            try:
+                with self._spill_lock:
+                    self._spill.append(rows)
+                self.spilled_total += len(rows)
+                return
+            except OSError:
+                log.exception("ledger: could not spill %d events to disk; keeping them in memory", len(rows))
+        with self._cond:
+            self._queue.extendleft(reversed(rows))
+
+    def _replay_spilled(self) -> bool:
+        """Writes this process's spilled segments, then dead processes' ones; False when the database fails."""
+        if self._spill is None:
+            return True
+        with self._spill_lock:
+            segments = self._spill.seal() if self._spill.has_segments else []
+        for segment in segments:
+            rows = read_segment(segment)
+            if not self._write_all(rows):
+                return False
+            self._written(rows)
+            with self._spill_lock:
+                self._spill.remove(segment)
+            log.info("ledger: replayed %d spilled events from %s", len(rows), segment.name)
+        if self._orphans_pending:
+            orphans = self._spill.orphans()
+            try:
+                for _lock, orphan_segments in orphans:
+                    for segment in orphan_segments:
+                        rows = read_segment(segment)
+                        if not self._write_all(rows):
+                            return False
+                        segment.unlink()
+                        self.replayed_total += len(rows)
+                        log.warning("ledger: replayed %d events left by a stopped process (%s)", len(rows),
+                                    segment.name)
+            finally:
+                orphans.close()  # releases the lock of the dead process being replayed
+            self._orphans_pending = False
+        return True
+
+    def _write_all(self, rows: list[Queued]) -> bool:
+        for i in range(0, len(rows), self._max_batch):
+            try:
+                self._write([row for _, row in rows[i:i + self._max_batch]])
+            except Exception:
+                self.failed_batches += 1
+                log.warning("ledger: replay of spilled events failed (the database is still unreachable?)",
+                            exc_info=True)
+                return False
+        return True
+
+    def _write(self, batch: list[Row]) -> None:
         unique = list({row["request_id"]: row for row in batch}.values())
         insert = dialect_insert(self._engine, UsageEvent)
         stmt = insert.on_conflict_do_nothing(index_elements=["request_id"]).returning(UsageEvent.request_id)

@@ -36,7 +36,9 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     prices = {s.name: s.pricing.prices() for s in specs}
     reuse = AnswerReuse(None, [s.model_dump(mode="json") for s in specs])
     gw = Gateway(db, backends, prices, key_cache_ttl_s=settings.key_cache_ttl_s,
-                 ledger_max_batch=settings.ledger_max_batch, reuse=reuse)
+                 ledger_max_batch=settings.ledger_max_batch, reuse=reuse,
+                 ledger_spill_dir=settings.ledger_spill_path, ledger_max_buffer=settings.ledger_max_buffer,
+                 admission_db_timeout_s=settings.admission_db_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -8,10 +8,12 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import OperationalError
 
 from billing.accounts import hash_key
 from billing.models import ApiKey, Tenant
-from gateway.errors import unauthorized
+from gateway.errors import database_unavailable, unauthorized
+from gateway.outage_log import warn_once as _warn_once
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,15 @@ class KeyStore:
         hit = self._cache.get(digest)
         if hit is not None and now - hit[0] < self._ttl_s:
             return hit[1]
-        principal = self._load(digest)
+        try:
+            principal = self._load(digest)
+        except OperationalError:
+            # the database is unreachable: a key seen before keeps its last known principal (fail open for
+            # known tenants, logged); an unknown key cannot be checked, so it gets a 503, never a 500
+            if hit is not None:
+                _warn_once("key database unreachable; using the last known key record")
+                return hit[1]
+            raise database_unavailable() from None
         with self._lock:
             if len(self._cache) >= self._max_entries:
                 self._cache.clear()

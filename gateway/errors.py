@@ -75,6 +75,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", "model_unavailable")
 
 
+def database_unavailable(retry_after: int = 5) -> APIError:
+    return APIError(503, "The key database is unreachable, so this key cannot be checked; try again shortly.",
+                    "server_error", "service_unavailable", None, {"Retry-After": str(retry_after)})
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}

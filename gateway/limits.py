@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from sqlalchemy import Engine, and_, or_, select
+from sqlalchemy.exc import OperationalError
 
 from billing.db import dialect_insert
 from billing.ledger import Ledger
@@ -14,6 +15,7 @@ from billing.models import RateWindow, SpendCounter
 from billing.periods import minute_of, month_of, seconds_to_next_minute
 from gateway.auth import Principal
 from gateway.errors import insufficient_quota, rate_limited
+from gateway.outage_log import warn_once
 
 
 class Limiter:
@@ -24,10 +26,27 @@ class Limiter:
     def admit(self, p: Principal, now: float | None = None) -> None:
         """Raise a 429 APIError when the key may not make a request now; otherwise count it."""
         now = time.time() if now is None else now
-        if p.key_budget_usd is not None or p.tenant_budget_usd is not None:
-            self._check_budget(p, now)
-        if p.rpm is not None or p.tpm is not None:
-            self._take_request(p, now)
+        try:
+            if p.key_budget_usd is not None or p.tenant_budget_usd is not None:
+                self._check_budget(p, now)
+            if p.rpm is not None or p.tpm is not None:
+                self._take_request(p, now)
+        except OperationalError:
+            self._admit_without_database(p, now)
+
+    def _admit_without_database(self, p: Principal, now: float) -> None:
+        """The database is unreachable: fail open (logged), enforcing only what this process knows, the
+        spend and tokens it has recorded and not yet written. Serving a tenant through an outage beats
+        refusing it; the overshoot is bounded by the outage's length."""
+        warn_once("limits database unreachable; admitting requests on in-memory counts only")
+        pending_tokens = self._ledger.pending_tokens(p.key_id) if self._ledger else 0
+        if p.tpm is not None and pending_tokens >= p.tpm:
+            raise self._tpm_error(p, pending_tokens, seconds_to_next_minute(now))
+        if p.key_budget_usd is not None and self._pending_spend("key", p.key_id) >= p.key_budget_usd:
+            raise insufficient_quota(f"This API key has spent its monthly budget of ${p.key_budget_usd:.2f}.")
+        if p.tenant_budget_usd is not None and self._pending_spend("tenant", p.tenant_id) >= p.tenant_budget_usd:
+            raise insufficient_quota(f"Tenant {p.tenant!r} has spent its monthly budget of "
+                                     f"${p.tenant_budget_usd:.2f}.")
 
     def _check_budget(self, p: Principal, now: float) -> None:
         period = month_of(now)

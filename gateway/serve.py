@@ -163,7 +163,10 @@ def _state(app_status: str) -> Any:
     return "ready"  # RUNNING (at zero replicas too: a request starts one), DEPLOYING, UNHEALTHY (restarting)
 
 
-@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0})
+# a replica being replaced or scaled down first finishes its in-flight requests (long streams included),
+# then its app's lifespan closes the ledger, which writes (or spills) the usage events it still holds
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=120.0,
+                  graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress()
 class GatewayIngress:
     """The OpenAI API of gateway/app.py as the Serve ingress; model calls go through RayModelBackends."""

@@ -8,11 +8,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
 from sqlalchemy import Engine
 
+from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
 from billing.pricing import Prices, request_cost
@@ -68,17 +70,30 @@ class Call:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
+def short_timeout_engine(db: Engine, timeout_s: float) -> Engine:
+    """Another engine on db's database whose statements give up after about timeout_s (an in-memory
+    SQLite database cannot be opened twice: db itself then)."""
+    url = db.url.render_as_string(hide_password=False)
+    if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
+        return db
+    return make_engine(url, busy_timeout_s=timeout_s)
+
+
 class Gateway:
     def __init__(self, db: Engine, backends: dict[str, ModelBackend], prices: dict[str, Prices], *,
                  key_cache_ttl_s: float = 1.0, ledger_max_batch: int = 1000,
-                 reuse: AnswerReuse | None = None) -> None:
+                 reuse: AnswerReuse | None = None, ledger_spill_dir: Path | None = None,
+                 ledger_max_buffer: int = 10_000, admission_db_timeout_s: float | None = None) -> None:
         self.db = db
         self.backends = backends
         self.prices = prices
         self.reuse = reuse or AnswerReuse(None, [])
-        self.keys = KeyStore(db, ttl_s=key_cache_ttl_s)
-        self.ledger = Ledger(db, max_batch=ledger_max_batch)
-        self.limiter = Limiter(db, self.ledger)
+        # key lookups and limits read the database on the request path: with it unreachable they give up
+        # after admission_db_timeout_s (then fail open, see limits.py), not after the ledger's long wait
+        admission_db = db if admission_db_timeout_s is None else short_timeout_engine(db, admission_db_timeout_s)
+        self.keys = KeyStore(admission_db, ttl_s=key_cache_ttl_s)
+        self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer)
+        self.limiter = Limiter(admission_db, self.ledger)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
         self.metrics.watch_budgets(db)
         self.metrics.watch_gpu_idle(db)

@@ -26,6 +26,9 @@ _ENV = {
     "cache_max_entries": "TOLLGATE_CACHE_MAX_ENTRIES",
     "auth_fail_limit": "TOLLGATE_AUTH_FAIL_LIMIT",
     "auth_fail_window_s": "TOLLGATE_AUTH_FAIL_WINDOW_S",
+    "ledger_spill_dir": "TOLLGATE_LEDGER_SPILL_DIR",
+    "ledger_max_buffer": "TOLLGATE_LEDGER_MAX_BUFFER",
+    "admission_db_timeout_s": "TOLLGATE_ADMISSION_DB_TIMEOUT_S",
 }
 
 
@@ -41,6 +44,12 @@ class Settings(BaseModel):
     max_body_bytes: int = 4 * 1024 * 1024
     key_cache_ttl_s: float = 1.0  # how long a revoked key may still pass in a process that saw it valid
     ledger_max_batch: int = 1000
+    # usage events that cannot reach the database wait in memory up to ledger_max_buffer, then in
+    # JSONL files under ledger_spill_dir (default home/ledger-spill), one subdirectory per database
+    ledger_max_buffer: int = Field(10_000, ge=1)
+    ledger_spill_dir: Path | None = None
+    # how long key lookups and rate/budget checks wait for an unreachable database before failing open
+    admission_db_timeout_s: float = Field(2.0, gt=0)
     log_level: str = "info"
     semantic_cache: bool = True  # answer repeated questions from the cache (kept under home/cache)
     cache_ttl_s: float = 7 * 24 * 3600
@@ -62,3 +71,9 @@ class Settings(BaseModel):
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'tollgate.db'}"
+
+    @property
+    def ledger_spill_path(self) -> Path:
+        from billing.ledger_spill import spill_dir_for
+
+        return spill_dir_for(Path(self.ledger_spill_dir or self.home / "ledger-spill").expanduser(), self.db_url)

@@ -173,8 +173,9 @@ def test_scale_to_zero_and_back_with_intervals(platform: Platform) -> None:
 
 def test_replica_killed_mid_stream(platform: Platform) -> None:
     m = platform.model
+    # logprobs: each delta lists its tokens, so the client can count exactly what it was given
     body = {"model": m, "messages": [{"role": "user", "content": f"Count to {uuid.uuid4().int % 10**6}."}],
-            "max_tokens": 400,
+            "max_tokens": 400, "logprobs": True,
             "ignore_eos": True, "stream": True}
     events: list[str] = []
     killed = False
@@ -197,11 +198,17 @@ def test_replica_killed_mid_stream(platform: Platform) -> None:
     assert error["error"]["type"] == "server_error"
     assert not any('"finish_reason": "length"' in e for e in events)
 
-    def failed() -> bool:
+    def failed() -> UsageEvent | None:
         with platform.db.connect() as conn:
-            return conn.scalar(select(UsageEvent.status).where(UsageEvent.request_id == request_id)) == "failed"
+            row = conn.execute(select(UsageEvent).where(UsageEvent.request_id == request_id)).first()
+        return row if row is not None and row.status == "failed" else None
 
-    wait_until(failed, 10, "the request to be recorded as failed")
+    event = wait_until(failed, 10, "the request to be recorded as failed")
+    # the ledger records exactly what the client was given before the error, billed as such
+    delivered = sum(len((c["choices"][0]["logprobs"] or {}).get("content") or [])
+                    for c in map(json.loads, events[:-2]) if c.get("choices"))
+    assert 3 <= delivered < 400 and event.completion_tokens == delivered
+    assert event.error and event.prompt_tokens > 0
     r2 = platform.chat(max_tokens=4)
     assert r2.status_code == 200, r2.text
 
@@ -285,6 +292,68 @@ def test_no_replica_within_the_bound_is_unavailable(platform: Platform) -> None:
 def _listed_name(p: Platform, name: str) -> bool:
     r = httpx.get(f"{p.url}/v1/models", headers={"Authorization": f"Bearer {p.key}"}, timeout=5)
     return any(m["id"] == name for m in r.json()["data"])
+
+
+def test_gateway_restarted_with_a_stream_in_flight(platform: Platform) -> None:
+    """The gateway application stopped while it streams: its replica first finishes the stream, then its
+    lifespan closes the ledger, so that stream's usage is written before the replica is gone; the
+    gateway deployed again serves what follows. (A rolling redeploy stops old replicas the same way.)"""
+    import threading
+
+    before = _gateway_actors()
+    body = {"model": platform.model, "messages": [{"role": "user", "content": f"List {uuid.uuid4().hex[:6]}."}],
+            "max_tokens": 64, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events: list[str] = []
+    streaming, finished = threading.Event(), threading.Event()
+
+    def consume() -> None:
+        with httpx.stream("POST", f"{platform.url}/v1/chat/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {platform.key}"}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        streaming.set()
+        finished.set()
+
+    drained_while_streaming = threading.Event()
+
+    def watch() -> None:  # the app must be seen deleting, its replica still up, while the stream goes on
+        while not finished.is_set():
+            app = serve.status().applications.get(GATEWAY_APP)
+            deleting = app is not None and str(app.status).endswith("DELETING")
+            if deleting and _gateway_actors() and not finished.is_set():
+                drained_while_streaming.set()
+                return
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    assert streaming.wait(120), "the stream did not start"
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    serve.delete(GATEWAY_APP)  # returns once the replica has drained and stopped
+    watcher.join(10)
+    assert drained_while_streaming.is_set()
+    assert finished.is_set() and events[-1] == "[DONE]"  # the stream ran to its end first
+    assert not _gateway_actors()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 64
+    with platform.db.connect() as conn:  # written by the stopping replica, not later
+        event = conn.execute(select(UsageEvent).where(UsageEvent.request_id == chunks[0]["id"])).first()
+    assert event is not None and (event.status, event.completion_tokens) == ("ok", 64)
+
+    ops.deploy_gateway(platform.settings)
+    wait_until(lambda: _listed(platform), 60, "the gateway to serve again")
+    assert _gateway_actors() and not (_gateway_actors() & before)
+    assert platform.chat(max_tokens=2).status_code == 200
+
+
+def _gateway_actors() -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{GATEWAY_APP}#Gateway")}
 
 
 def test_shared_cache_deployment(platform: Platform) -> None:
