@@ -109,8 +109,7 @@ def position_logits(model: torch.nn.Module, prompts: list[list[int]], kv_dtype: 
 
 def prepare_mode(model: torch.nn.Module, mode: str, tokenizer) -> tuple[torch.nn.Module, torch.dtype]:
     """The model to run for one mode and its KV cache dtype. Weight modes quantize a copy of the float
-    model; KV modes calibrate kv_scales on the model itself (undo with reset_kv_scales: a float cache
-    ignores them anyway)."""
+    model; KV modes set qk_rotation and kv_scales on the model itself (undo with reset_kv_scales)."""
     dtype = model.norm.dtype
     if mode in WEIGHT_MODES:
         quantized = copy.deepcopy(model)
@@ -124,6 +123,7 @@ def prepare_mode(model: torch.nn.Module, mode: str, tokenizer) -> tuple[torch.nn
 def reset_kv_scales(model: torch.nn.Module) -> None:
     for layer in model.layers:
         layer.self_attn.kv_scales = None
+        layer.self_attn.qk_rotation = None
 
 
 def score(model: torch.nn.Module, prompts: list[list[int]], kv_dtype: torch.dtype,

@@ -45,8 +45,10 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, False, device, dtype, tp)
         self.q_norm = _norm_weight(self.head_dim, device, dtype) if cfg.qk_norm else None
         self.k_norm = _norm_weight(self.head_dim, device, dtype) if cfg.qk_norm else None
-        # [2, num_kv_heads] K and V scales of an fp8 / int8 KV cache (engine/quantization/kv_cache.py)
+        # [2, num_kv_heads] K and V scales of an fp8 / int8 KV cache, and the orthonormal [head_dim, head_dim]
+        # rotation of q and k that spreads K's outlier channels before rounding (engine/quantization/kv_cache.py)
         self.kv_scales: torch.Tensor | None = None
+        self.qk_rotation: torch.Tensor | None = None
 
     def forward(
         self,
@@ -66,6 +68,8 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+        if self.qk_rotation is not None:  # q R (k R)^T = q k^T
+            q, k = q @ self.qk_rotation, k @ self.qk_rotation
         ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
         if meta.decode_only:
             out = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,

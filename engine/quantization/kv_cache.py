@@ -9,7 +9,15 @@ norms, exactly as the cache would store them) sets its scale:
 - int8: scale = amax * 1.25 / 127. int8's steps are uniform, so headroom costs resolution for every
   value; 1.25x covers modest excursions, anything larger is clamped to +-127.
 Static scales keep the cache a plain tensor (no per-token scale storage), let a page be written once
-and read by every later step and by prefix-cache hits, and keep decode CUDA-graph friendly."""
+and read by every later step and by prefix-cache hits, and keep decode CUDA-graph friendly.
+
+Keys have outlier channels, and rounding them costs the most accuracy (on SmolLM2 with an fp8 cache,
+rounding K alone flips 5% of top-1 predictions, V alone 2%). So with a quantized cache each attention
+layer also multiplies q and k, after rotary, by one orthonormal matrix R (normalized Hadamard for a
+power-of-two head_dim, else a seeded random orthogonal one): q R (k R)^T = q k^T, so attention is
+unchanged, while k R spreads each outlier over all channels before it is rounded (as QuaRot does).
+V is stored as is. Measured on SmolLM2 (bench/quantization_quality.py), fp8 top-1 agreement went from
+94.6% to 96.0% with it (int8: 96.8%)."""
 
 from __future__ import annotations
 
@@ -57,6 +65,19 @@ def calibration_token_ids(tokenizer, vocab_size: int, max_tokens: int) -> list[i
     return ids[: min(CALIBRATION_TOKENS, max_tokens)]
 
 
+def qk_rotation(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An orthonormal [head_dim, head_dim] matrix that mixes every channel into every other."""
+    if head_dim & (head_dim - 1) == 0:
+        rotation = torch.ones(1, 1)
+        while rotation.shape[0] < head_dim:
+            rotation = torch.cat([torch.cat([rotation, rotation], 1), torch.cat([rotation, -rotation], 1)])
+        rotation /= head_dim**0.5
+    else:
+        generator = torch.Generator().manual_seed(0)
+        rotation, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))
+    return rotation.to(device=device, dtype=dtype)
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in model.layers]
 
@@ -93,12 +114,14 @@ def scales_from_amax(amax: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
 
 
 def calibrate_kv_cache_(model: nn.Module, kv_cache_dtype: str, tokenizer, block_size: int) -> None:
-    """Sets each attention layer's kv_scales [2, G] for an fp8 / int8 KV cache (no-op for 'auto')."""
+    """Sets each attention layer's qk_rotation and kv_scales [2, G] for an fp8 / int8 KV cache
+    (no-op for 'auto')."""
     if kv_cache_dtype == "auto":
         return
     cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
     for attn in attention_modules(model):
-        attn.kv_scales = None  # calibrate with an unquantized cache
+        attn.kv_scales = None  # calibrate with an unquantized cache, on the rotated keys
+        attn.qk_rotation = qk_rotation(attn.head_dim, model.norm.device, model.norm.dtype)
     token_ids = calibration_token_ids(tokenizer, model.config.vocab_size, model.cos_sin.shape[0])
     amaxes = measure_kv_amax(model, token_ids, block_size)
     for attn, amax in zip(attention_modules(model), amaxes):

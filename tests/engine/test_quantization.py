@@ -83,6 +83,7 @@ def test_quantized_kv_cache_fits_more_blocks(kv_dtype: str, torch_dtype: torch.d
     for layer in quantized.model.layers:
         scales = layer.self_attn.kv_scales
         assert scales.shape == (2, 2) and torch.all(scales > 0)
+        assert layer.self_attn.qk_rotation.shape == (16, 16)
     out = llm.generate([PROMPT, PROMPT[:4]], SamplingParams(temperature=0.0, max_tokens=6))
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
 
@@ -116,3 +117,13 @@ def test_quantized_engine_on_gpu(method: str, kv_dtype: str) -> None:
     out = LLM("random:llama-tiny", **kwargs).generate([PROMPT, PROMPT[:3], list(range(1, 300))], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert all(-30 < lp.top[0][1] <= 0 for o in out for lp in o.outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_qk_rotation_is_orthonormal(head_dim: int) -> None:
+    from engine.quantization.kv_cache import qk_rotation
+
+    r = qk_rotation(head_dim, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(r @ r.t(), torch.eye(head_dim), atol=1e-5, rtol=0)
+    if head_dim == 64:  # Hadamard: every channel into every other, with equal weight
+        torch.testing.assert_close(r.abs(), torch.full_like(r, head_dim**-0.5))
