@@ -47,6 +47,8 @@ step engine_start_8b 150 "$PY" -m bench.engine_start --model random:llama-8b --d
   --json "$RESULTS/engine_start_8b.json"
 step quantization_8b 150 "$PY" -m bench.quantization_speed --model random:llama-8b --device cuda --output-len 128 \
   --json "$RESULTS/quantization_8b.json"
+step spec_decode_8b 90 "$PY" -m bench.spec_decode --mode oracle --model random:llama-8b --device cuda -k 4 \
+  --output-len 128 --max-model-len 4096 --max-num-seqs 8 --json "$RESULTS/spec_decode_8b.json"
 
 ROWS=""
 "$PY" -m bench.chart "$RESULTS" --out "$RESULTS/benchmarks.svg" || true
@@ -67,7 +69,7 @@ for k, v in r.items():
         flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio",
-        "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa")
+        "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "oracle_speedup")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
 print("  ".join(f"{k.split('.')[-1]}={fmt(flat[k])}" for k in keys if k in flat))
 PYEOF
