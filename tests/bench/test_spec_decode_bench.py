@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench import spec_decode
 
 
 def test_oracle_mode_writes_its_json_to_out(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = spec_decode.main(["--mode", "oracle", "--model", "random:llama-tiny", "--device", "cpu", "-k", "3",
-                               "--prompt-len", "16", "--output-len", "24", "--max-model-len", "256",
-                               "--max-num-seqs", "4"])
+    threads = torch.get_num_threads()
+    try:
+        result = spec_decode.main(["--mode", "oracle", "--model", "random:llama-tiny", "--device", "cpu", "-k", "3",
+                                   "--prompt-len", "16", "--output-len", "24", "--max-model-len", "256",
+                                   "--max-num-seqs", "4", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads((tmp_path / "spec_decode.json").read_text()) == result
     assert result["outputs_identical"] and result["acceptance_rate"] == 1.0
     assert result["verify_overhead"] > 0 and result["oracle_speedup"] > 0
