@@ -58,7 +58,8 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def decode_speed(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def decode_speed(args: argparse.Namespace, mode: str) -> tuple[dict[str, Any], int]:
+    """The mode's decode measurement, and the model's max_position_embeddings."""
     context = args.prompt_len + args.output_len
     kwargs: dict[str, Any] = {
         "device": args.device,
@@ -89,20 +90,21 @@ def decode_speed(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "load_seconds": round(llm.engine.load_seconds, 2),
     }
     log(f"decode {mode}: {tok_s:.1f} tok/s, weights {result['weight_bytes'] / 1e9:.2f} GB")
+    max_positions = llm.engine.model_config.max_position_embeddings
     release(llm)
-    return result
+    return result, max_positions
 
 
-def kv_capacity(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
+def kv_capacity(args: argparse.Namespace, kv_dtype: str, max_model_len: int) -> dict[str, Any]:
     # max_num_seqs high enough that memory, not max_num_seqs x blocks per sequence, bounds the pool
-    kwargs: dict[str, Any] = {"device": args.device, "max_model_len": args.max_model_len, "enforce_eager": True,
+    kwargs: dict[str, Any] = {"device": args.device, "max_model_len": max_model_len, "enforce_eager": True,
                               "kv_cache_dtype": kv_dtype, "max_num_seqs": 1024 if args.device == "cuda" else 65536}
     if args.device == "cpu":
         kwargs["cpu_kv_cache_gib"] = args.cpu_kv_cache_gib
     log(f"KV {kv_dtype}: sizing the pool")
     llm = LLM(args.model, **kwargs)
     runner = llm.engine.runner
-    blocks_per_seq = -(-args.max_model_len // runner.block_size)
+    blocks_per_seq = -(-max_model_len // runner.block_size)
     result = {
         "num_blocks": runner.num_blocks,
         "bytes_per_block": runner.bytes_per_block,
@@ -110,22 +112,27 @@ def kv_capacity(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         "max_concurrent_seqs": runner.num_blocks // blocks_per_seq,
     }
     log(f"KV {kv_dtype}: {result['num_blocks']} blocks of {result['bytes_per_block']} bytes, "
-        f"{result['max_concurrent_seqs']} sequences of {args.max_model_len} tokens")
+        f"{result['max_concurrent_seqs']} sequences of {max_model_len} tokens")
     release(llm)
     return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    decode: dict[str, Any] = {}
+    max_positions = args.max_model_len
+    for mode in args.modes:
+        decode[mode], max_positions = decode_speed(args, mode)
+    max_model_len = min(args.max_model_len, max_positions)
     result: dict[str, Any] = {
         "model": args.model,
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
-        "max_model_len_for_kv": args.max_model_len,
-        "decode": {mode: decode_speed(args, mode) for mode in args.modes},
-        "kv_cache": {kv: kv_capacity(args, kv) for kv in args.kv_dtypes},
+        "max_model_len_for_kv": max_model_len,
+        "decode": decode,
+        "kv_cache": {kv: kv_capacity(args, kv, max_model_len) for kv in args.kv_dtypes},
     }
     base = result["decode"].get("bf16")
     for mode, row in result["decode"].items():
