@@ -14,12 +14,12 @@ from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache import KVCacheManager
-from engine.loader import load_model
+from engine.distributed.parallel_state import SINGLE
+from engine.distributed.workers import TensorParallelWorkers
 from engine.metrics import EngineMetrics
-from engine.models.llama import LlamaForCausalLM
-from engine.quantization import load_weights
+from engine.model_builder import build_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.runner import ModelRunner, SampledToken
+from engine.runner import SampledToken
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import make_speculator
@@ -67,21 +67,23 @@ class LLMEngine:
         log.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
         # a draft model loads first: on a GPU the target's KV pool is sized from the memory left after it
         self.speculator = make_speculator(config, self.device, self.dtype)
-        loaded = load_model(config.model, self.device, self.dtype, config.tokenizer)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = self._max_model_len()
-        if self.speculator is not None:
-            self.speculator.check_target(self.model_config, self.max_model_len)
-        model = LlamaForCausalLM(self.model_config, self.max_model_len, self.device, self.dtype)
-        load_weights(model, loaded, config)  # quantizes as config.quantization / kv_cache_dtype ask
-        model.eval()
-        self.eos_token_ids = frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
-        ) | frozenset(self.model_config.eos_token_ids)
-        self.runner = ModelRunner(
-            config, self.model_config, model, self.device, self.dtype, self.max_model_len, self.eos_token_ids
-        )
+        self.workers = None
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            self.workers = TensorParallelWorkers.start(config, self.device, self.dtype)
+            tp = self.workers.tp
+        try:
+            built = build_model(config, self.device, self.dtype, tp)
+            if self.speculator is not None:
+                self.speculator.check_target(built.model_config, built.max_model_len)
+        except BaseException:
+            self.close()
+            raise
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer
+        self.max_model_len = built.max_model_len
+        self.eos_token_ids = built.eos_token_ids
+        self.runner = built.runner
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, RequestState] = {}
@@ -89,17 +91,6 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks", self.load_seconds, self.max_model_len,
                  self.runner.num_blocks)
-
-    def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})")
-        window = self.model_config.sliding_window
-        if window is not None and wanted > window:
-            log.warning("max_model_len capped at the sliding window (%d): attention here is full attention", window)
-            wanted = window
-        return wanted
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -325,6 +316,16 @@ class LLMEngine:
             finished=state.finished,
             metrics=state.metrics,
         )
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any. A single-process engine needs no closing."""
+        workers, self.workers = self.workers, None
+        if workers is None:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.stop_workers()
+        workers.join()
 
     # ---- introspection --------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -9,9 +10,11 @@ import numpy as np
 import torch
 
 import kernels
-from engine.batch_inputs import prepare_inputs
+from engine.batch_inputs import HostInputs, device_inputs, host_inputs
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.distributed.step_channel import receive_step, send_step
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
@@ -42,8 +45,10 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
+        self.tp = tp
         self.model_config = model_config
         self.model = model
         self.device = device
@@ -54,8 +59,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.num_blocks = self._choose_num_blocks()
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.num_kv_heads = model_config.num_key_value_heads // tp.size
+        self.num_blocks = tp.min_over_ranks(self._choose_num_blocks())
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, device=device, dtype=self.kv_dtype), torch.zeros(shape, device=device, dtype=self.kv_dtype))
             for _ in range(model_config.num_hidden_layers)
@@ -71,7 +77,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _choose_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -91,7 +97,7 @@ class ModelRunner:
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         blocks = -(-num_tokens // self.block_size)
         cfg = self.model_config
-        shape = (blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, device=self.device, dtype=self.dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
@@ -122,21 +128,47 @@ class ModelRunner:
     def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the batch; returns logits for the sequences whose tokens are all computed now: one row each, and
         before it one per draft token of a sequence that speculates (its last token's row, then its drafts')."""
-        inputs = prepare_inputs(batch, self.block_size, self.device)
+        logits = self.run_model(host_inputs(batch, self.block_size))
+        sampled_seqs = [
+            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
+        ]
+        return logits, sampled_seqs
+
+    @torch.inference_mode()
+    def run_model(self, host: HostInputs) -> torch.Tensor:
+        """The forward pass every tensor-parallel rank runs; rank 0 first sends the step to the others."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            send_step(self.tp, host)
+        inputs = device_inputs(host, self.device)
         meta, logits_indices = inputs.meta, inputs.logits_indices
-        if self.graphs is not None and meta.decode_only and len(batch) <= self.graphs.max_batch_size:
+        if self.graphs is not None and meta.decode_only and host.num_seqs <= self.graphs.max_batch_size:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
                                      meta.block_tables)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
-        sampled_seqs = [
-            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
-        ]
         if not logits_indices:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), []
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         if len(logits_indices) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_indices, device=self.device))
-        return self.model.compute_logits(hidden), sampled_seqs
+        return self.model.compute_logits(hidden)
+
+    def serve_steps(self) -> None:
+        """The loop of a rank other than 0: run each step rank 0 sends until it says stop."""
+        while (host := receive_step(self.tp)) is not None:
+            self.run_model(host)
+
+    def stop_workers(self) -> None:
+        if self.tp.size > 1 and self.tp.is_driver:
+            send_step(self.tp, None)
+        self.release_graphs()
+
+    def release_graphs(self) -> None:
+        """Graphs that captured NCCL calls must be freed before the process group is torn down, or
+        ncclCommDestroy waits forever (pytorch/pytorch#115388)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+            gc.collect()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
