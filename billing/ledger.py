@@ -6,7 +6,11 @@ While the database is unreachable the events wait: in memory up to `max_buffer`,
 and whenever a batch fails, in JSONL segments under `spill_dir` (billing/ledger_spill.py). The
 writer retries with backoff; once a write succeeds it replays the spilled segments (oldest first)
 before newer events. Segments left by a process that died are replayed by the next one. Without a
-spill dir the events wait in memory only."""
+spill dir the events wait in memory only.
+
+A batch the database refuses for its data (a constraint, a value a column cannot hold) is no outage:
+its events are written one by one, and those refused are set aside in the spill dir's dead-letter
+file (logged by request id) so that one bad event never holds up the others."""
 
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete
+from sqlalchemy.exc import DataError, IntegrityError
 
 from billing.db import dialect_insert
-from billing.ledger_spill import SpillDir, read_segment
+from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
 from billing.periods import minute_of, month_of
 
@@ -30,6 +35,9 @@ _EVENT_COLUMNS = [c.name for c in UsageEvent.__table__.columns if c.name != "id"
 
 Row = dict[str, Any]
 Queued = tuple[int, Row]  # (this process's sequence number, row)
+
+# the database refuses the rows themselves: retrying cannot help (anything else may be an outage and is retried)
+REFUSED_ROW_ERRORS = (IntegrityError, DataError)
 
 
 class Ledger:
@@ -62,6 +70,8 @@ class Ledger:
         self.failed_batches = 0
         self.spilled_total = 0  # events of this process moved to disk
         self.replayed_total = 0  # events of dead processes replayed from their segments
+        self.dead_lettered_total = 0  # events the database refused, set aside
+        self._dead_lettered: set[str] = set()  # their request ids: a segment replayed again adds none twice
 
     def start(self) -> "Ledger":
         if self._thread is None:
@@ -171,10 +181,10 @@ class Ledger:
                 stopping = self._stopping
             ok = self._replay_spilled()
             if batch:
-                if ok:
-                    ok = self._try_write(batch)
-                if not ok:
-                    self._set_aside(batch)
+                left = self._try_write(batch) if ok else batch
+                ok = not left
+                if left:
+                    self._set_aside(left)
             if ok:
                 if self._down:
                     log.warning("ledger: the database is back; spilled events replayed")
@@ -227,16 +237,53 @@ class Ledger:
     def _spill_waiting(self) -> bool:
         return self._spill is not None and (self._orphans_pending or self._spill.has_segments)
 
-    def _try_write(self, batch: list[Queued]) -> bool:
+    def _try_write(self, batch: list[Queued]) -> list[Queued]:
+        """Writes a batch; returns the events left unwritten because the database failed."""
+        left = self._store(batch, "ledger batch of %d events failed")
+        self._written(batch[:len(batch) - len(left)])
+        return left
+
+    def _store(self, rows: list[Queued], failure: str) -> list[Queued]:
+        """Writes rows in one transaction; returns those left unwritten (a tail of rows) because the database
+        failed, logging `failure`. When it refuses the batch for its data, writes the rows one by one, each in
+        its own transaction, and sets aside those it refuses."""
         try:
-            self._write([row for _, row in batch])
+            self._write([row for _, row in rows])
+            return []
+        except REFUSED_ROW_ERRORS:
+            log.warning("ledger: the database refused a batch of %d events for its data; writing them one by one",
+                        len(rows))
         except Exception:
             self.failed_batches += 1
             # the first failure with its traceback; while the database stays down, one line per retry
-            log.warning("ledger batch of %d events failed", len(batch), exc_info=not self._down)
-            return False
-        self._written(batch)
-        return True
+            log.warning(failure, len(rows), exc_info=not self._down)
+            return rows
+        for i, queued in enumerate(rows):
+            try:
+                self._write([queued[1]])
+            except REFUSED_ROW_ERRORS as e:
+                self._dead_letter(queued[1], e)
+            except Exception:
+                self.failed_batches += 1
+                log.warning(failure, len(rows) - i, exc_info=not self._down)
+                return rows[i:]
+        return []
+
+    def _dead_letter(self, row: Row, error: IntegrityError | DataError) -> None:
+        request_id = row["request_id"]
+        if request_id in self._dead_lettered:
+            return
+        message = str(error.orig).splitlines()  # the first line only: PostgreSQL's DETAIL repeats the row's values
+        reason = f"{type(error).__name__}: {message[0] if message else ''}"
+        where = "nowhere (no spill dir): dropped"
+        if self._spill is not None:
+            try:
+                where = str(append_dead_letter(self._spill.path, row, reason))
+            except OSError as e:
+                where = f"nowhere (dropped: {e})"
+        self._dead_lettered.add(request_id)
+        self.dead_lettered_total += 1
+        log.error("ledger: the database refused usage event %s (%s); set aside in %s", request_id, reason, where)
 
     def _set_aside(self, rows: list[Queued]) -> None:
         """Events that cannot be written now: to disk when a spill dir is set, else back to the queue's front."""
@@ -284,12 +331,8 @@ class Ledger:
 
     def _write_all(self, rows: list[Queued]) -> bool:
         for i in range(0, len(rows), self._max_batch):
-            try:
-                self._write([row for _, row in rows[i:i + self._max_batch]])
-            except Exception:
-                self.failed_batches += 1
-                log.warning("ledger: replay of spilled events failed (the database is still unreachable?)",
-                            exc_info=True)
+            if self._store(rows[i:i + self._max_batch],
+                           "ledger: replay of %d spilled events failed (the database is still unreachable?)"):
                 return False
         return True
 

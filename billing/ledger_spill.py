@@ -3,7 +3,10 @@
 Each process appends to its own JSONL segment files (`usage-<owner>-<n>.jsonl`) and holds an
 exclusive flock on `usage-<owner>.lock` from its first segment on. Segments whose lock nobody holds
 belong to a process that died: any later process claims them by taking that lock, replays them,
-and deletes them. Replaying is safe twice over: the ledger's insert skips request ids already stored."""
+and deletes them. Replaying is safe twice over: the ledger's insert skips request ids already stored.
+
+Events the database refuses for their data (never for being away) go to `dead-letter.jsonl` in the
+same directory, each with the database's reason in `_error`; nothing replays them."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import IO, Any
 
 SEGMENT_GLOB = "usage-*.jsonl"
 SEQ_FIELD = "_seq"  # the writing process's sequence number, so that it can tell which of its events are stored
+DEAD_LETTER_FILE = "dead-letter.jsonl"
+ERROR_FIELD = "_error"
 
 
 def spill_dir_for(root: Path, db_url: str) -> Path:
@@ -28,9 +33,13 @@ def spill_dir_for(root: Path, db_url: str) -> Path:
 
 
 def encode_row(row: dict[str, Any], seq: int) -> str:
-    out = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()}
+    out = _jsonable(row)
     out[SEQ_FIELD] = seq
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()}
 
 
 def decode_row(line: str) -> tuple[int, dict[str, Any]]:
@@ -50,6 +59,20 @@ def read_segment(path: Path) -> list[tuple[int, dict[str, Any]]]:
                 break
             rows.append(decode_row(line))
     return rows
+
+
+def append_dead_letter(directory: Path, row: dict[str, Any], error: str) -> Path:
+    """Sets aside an event the database refused, with its reason; returns the dead-letter file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / DEAD_LETTER_FILE
+    out = _jsonable(row)
+    out[ERROR_FIELD] = error
+    line = json.dumps(out, separators=(",", ":")) + "\n"  # ASCII: whatever odd text made the row fail is kept escaped
+    with path.open("a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
 
 
 class SpillDir:

@@ -1,6 +1,8 @@
 """Slows down clients that keep presenting bad keys: after `limit` failed authentications from one
 client address within `window_s`, that address's further failures are answered 429 with Retry-After
-(until its oldest failure in the window ages out) instead of 401.
+(until its oldest failure in the window ages out) instead of 401. Only refused keys count (401, and
+the admin API's 403 for a key that is no admin key): the 503 an unknown key gets while the key
+database is unreachable says nothing about the key, so it is neither counted nor turned into a 429.
 
 Only failures are throttled: a valid key always passes, even from a throttled address, because behind
 a proxy or NAT many tenants share one address and one misconfigured client must not lock out the
@@ -18,6 +20,8 @@ from collections.abc import Callable
 from starlette.requests import Request
 
 from gateway.errors import APIError
+
+REFUSED_KEY_STATUSES = frozenset({401, 403})
 
 
 def client_address(request: Request) -> str:
@@ -53,7 +57,10 @@ class FailedAuthThrottle:
             return max(1, math.ceil(times[0] + self.window_s - now))
 
     def throttled(self, err: APIError, client: str) -> APIError:
-        """`err` (a refused key) as it goes back to `client`: a 429 once the client is over the limit."""
+        """`err` (a refused key) as it goes back to `client`: a 429 once the client is over the limit. Any other
+        error goes back as it is, uncounted."""
+        if err.status not in REFUSED_KEY_STATUSES:
+            return err
         retry_after = self.failed(client)
         if retry_after is None:
             return err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from gateway.specs import load_spec, load_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 PLATFORM = ROOT / "platform"
+PROMTOOL = shutil.which("promtool")
 
 
 def _resolve(import_path: str) -> object:
@@ -102,3 +105,38 @@ def test_tensor_parallel_spec_needs_as_many_gpus_as_ranks() -> None:
         parse_spec({**base, "resources": {"num_gpus": 1}})
     assert parse_spec({**base, "resources": {"num_gpus": 2}}).engine["tensor_parallel_size"] == 2
     assert parse_spec(base).resources.num_gpus == 0  # CPU replicas split over gloo processes
+
+
+def _gateway_scrape_job() -> dict:
+    config = yaml.safe_load((PLATFORM / "prometheus" / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "tollgate-gateway"]
+    return job
+
+
+def test_prometheus_scrapes_the_gateway_metrics_with_an_admin_key() -> None:
+    from gateway.routes import router
+    from gateway.settings import Settings
+
+    job = _gateway_scrape_job()
+    assert job.get("scheme", "http") == "http" and job.get("metrics_path", "/metrics") == "/metrics"
+    assert "/metrics" in {getattr(r, "path", None) for r in router.routes}
+    # the tollgate_tenant_* series the budget alerts read need an admin key, from a file: none in the repository
+    auth = job["authorization"]
+    assert set(auth) == {"type", "credentials_file"} and auth["type"] == "Bearer"
+    assert Path(auth["credentials_file"]).is_absolute()
+    targets = [t for group in job["static_configs"] for t in group["targets"]]
+    assert targets == [f"127.0.0.1:{Settings().port}"]  # where `platform up` serves
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not on PATH (Debian: apt-get install prometheus)")
+def test_promtool_checks_the_scrape_config(tmp_path: Path) -> None:
+    key_file = tmp_path / "tollgate-admin-key"
+    key_file.write_text("tga-not-a-real-key\n")
+    text = (PLATFORM / "prometheus" / "prometheus.yml").read_text()
+    credentials_file = _gateway_scrape_job()["authorization"]["credentials_file"]
+    (tmp_path / "prometheus.yml").write_text(text.replace(credentials_file, str(key_file)))
+    shutil.copy(PLATFORM / "prometheus" / "alerts.yml", tmp_path)  # promtool checks the rule files it names too
+    done = subprocess.run([str(PROMTOOL), "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
