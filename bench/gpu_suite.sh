@@ -81,7 +81,7 @@ for k, v in r.items():
         flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio",
-        "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "oracle_speedup",
+        "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
         "nccl_graph_us", "symmetric_graph_us")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
 print("  ".join(f"{k.split('.')[-1]}={fmt(flat[k])}" for k in keys if k in flat))

@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS more steps with torch.profiler and print the busiest ops")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -72,6 +74,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.step()
         sync()
         step_times.append(time.perf_counter() - start)
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.profile):
+                engine.step()
+            sync()
+        sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
     ms = {name: round(statistics.median(v) * 1e3, 3) for name, v in times.items()}
     step_ms = statistics.median(step_times) * 1e3
     ms["other"] = round(step_ms - sum(ms.values()), 3)
