@@ -3,7 +3,8 @@
     python -m bench.chart RESULTS_DIR [--out docs/benchmarks.svg]
 
 RESULTS_DIR holds the JSON files bench/gpu_suite.sh writes (throughput_1b.json, decode_8b.json,
-kernels.json, engine_start_8b.json); missing ones are left out. No plotting library: plain SVG."""
+kernels.json, engine_start_8b.json, quantization_8b.json, decode_8b_tp2.json, spec_decode_8b.json);
+missing ones are left out. No plotting library: plain SVG."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def rows_from(results: Path) -> list[Row]:
                         75, None, "%"))
     if r := load("engine_start_8b.json"):
         rows.append(Row("8B engine start to first token (s)", r["total_seconds"], 20, None, "s", higher_is_better=False))
+    if r := load("quantization_8b.json"):
+        rows.append(Row("8B decode, int8 weights vs bf16 (x)", r["int8_speedup"], 1.6, 1.0, "x"))
+        rows.append(Row("8B decode, int4 weights vs bf16 (x)", r["int4_speedup"], 2.5, 1.0, "x"))
+        rows.append(Row("KV blocks in the same memory, fp8 vs bf16 (x)", r["kv_fp8_block_ratio"], 2.0, 1.0, "x"))
+    if (r := load("decode_8b_tp2.json")) and (one := load("decode_8b.json")):
+        rows.append(Row("8B decode, 2 GPUs vs 1 (x)", r["decode_tok_s"] / one["decode_tok_s"], 1.6, 1.0, "x"))
+    if (r := load("spec_decode_8b.json")) and r.get("upper_bound_speedup") is not None:
+        rows.append(Row("8B speculative decode k=4, upper bound (x)", r["upper_bound_speedup"], 1.5, 1.0, "x"))
     return rows
 
 
@@ -49,7 +58,7 @@ def svg(rows: list[Row], width: int = 760) -> str:
     height = 40 + row_h * len(rows)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            'font-size="12">',
-           '<text x="10" y="20" font-size="14" font-weight="bold">Tollgate engine on one H200 '
+           '<text x="10" y="20" font-size="14" font-weight="bold">Tollgate engine on H200s '
            '(bar: measured; black tick: goal; grey tick: baseline)</text>']
     for i, row in enumerate(rows):
         y = 36 + i * row_h
