@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.models.linear import RowParallelLinear
 from engine.models.llama import Linear
 from engine.quantization.checkpoint import CheckpointQuantization, repack_checkpoint
 from engine.quantization.fp8 import Fp8Linear
@@ -34,10 +35,16 @@ def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if isinstance(child, Linear)]
 
 
-def _check_single_rank(module: nn.Module, field: str) -> None:
-    tp = getattr(module, "tp", None)
-    if tp is not None and tp.size > 1:
-        raise ValueError(f"{field}: not supported with tensor_parallel_size > 1 yet")
+class RowParallelQuantized(nn.Module):
+    """A quantized row-parallel linear: this rank's partial product, summed over the ranks, then the bias."""
+
+    def __init__(self, inner: nn.Module, tp, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.inner, self.tp, self.bias = inner, tp, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.inner(x))
+        return out if self.bias is None else out + self.bias
 
 
 def replace_linears_(model: nn.Module, make: Callable[[Linear], nn.Module]) -> int:
@@ -45,8 +52,11 @@ def replace_linears_(model: nn.Module, make: Callable[[Linear], nn.Module]) -> i
     slots = _linear_slots(model)
     for parent, name in slots:
         linear = getattr(parent, name)
-        _check_single_rank(linear, "quantization")
-        setattr(parent, name, make(linear))
+        if isinstance(linear, RowParallelLinear) and linear.tp.size > 1:
+            bias, linear.bias = linear.bias, None  # added once, after the sum
+            setattr(parent, name, RowParallelQuantized(make(linear), linear.tp, bias))
+        else:
+            setattr(parent, name, make(linear))
         del linear
     return len(slots)
 
@@ -75,9 +85,9 @@ def load_weights(model: nn.Module, loaded, config) -> None:
     `loaded` is engine.loader.LoadedModel; its `quantization` is the checkpoint's own, if any."""
     checkpoint: CheckpointQuantization | None = getattr(loaded, "quantization", None)
     method = config.quantization
-    if config.tensor_parallel_size > 1 and (method or checkpoint or config.kv_cache_dtype != "auto"):
-        field = "kv_cache_dtype" if not (method or checkpoint) else "quantization"
-        raise ValueError(f"{field}: not supported with tensor_parallel_size > 1 yet")
+    if config.tensor_parallel_size > 1 and checkpoint is not None:
+        raise ValueError(f"quantization: {checkpoint.method.upper()} checkpoints are not supported with "
+                         "tensor_parallel_size > 1 yet (quantizing a float checkpoint on the fly is)")
     check_kv_cache_dtype(config.kv_cache_dtype, model.norm.device)
     if checkpoint is not None:
         if method not in (None, "int4"):

@@ -17,9 +17,9 @@ CASES = {
 }
 
 
-def _run(path: str, tp: int, prompts: dict[str, list[int]]):
+def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
     engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=24,
-                                    num_kv_blocks=64, block_size=16))
+                                    num_kv_blocks=64, block_size=16, **quantized))
     try:
         outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
         assert engine.kv.num_used_blocks == 0
@@ -43,6 +43,27 @@ def test_two_ranks_match_one(case, tmp_path):
         for (n1, one), (n2, two) in zip(single_logits[rid], split_logits[rid]):
             assert n1 == n2 and two.shape == one.shape
             torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantized", [{"quantization": "int8", "kv_cache_dtype": "fp8"}, {"quantization": "int4"}],
+                         ids=["int8-fp8kv", "int4"])
+def test_quantized_shards_match_one_process(quantized, tmp_path):
+    """Each rank quantizes its own slice and row-parallel quantized layers still sum over the ranks.
+    Column-parallel slices quantize exactly as the whole (per output channel); a row-parallel slice gets
+    its own scales (per output channel, or smaller int4 groups), a different and finer quantization than
+    one process's. So both are compared with the float model: two ranks are no further from it than one."""
+    tiny_hf_model("llama", tie_word_embeddings=False, intermediate_size=256).save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {name: torch.randint(0, 300, (n,), generator=gen).tolist() for name, n in (("a", 29), ("b", 7), ("c", 41))}
+    _, exact = _run(str(tmp_path), 1, prompts)
+    _, single = _run(str(tmp_path), 1, prompts, **quantized)
+    _, split = _run(str(tmp_path), 2, prompts, **quantized)
+
+    def error(logits) -> float:  # mean |difference| at each prompt's last position: the same context in every run
+        return sum((logits[rid][0][1] - exact[rid][0][1]).abs().mean().item() for rid in prompts) / len(prompts)
+
+    print(f"mean |logit error| vs float: one process {error(single):.4f}, two ranks {error(split):.4f}")
+    assert 0 < error(split) <= 1.5 * error(single)
 
 
 def test_heads_that_do_not_split_are_refused(tmp_path):
