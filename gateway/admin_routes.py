@@ -10,22 +10,23 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from billing.admin_keys import check_admin_key
 from billing.field_checks import text_field
 from billing.models import Tenant
 from gateway.auth_throttle import client_address
 from gateway.errors import APIError, invalid_request
+from gateway.key_db_outage import checked_admin_key
 from gateway.service import Gateway
 
 admin_router = APIRouter(prefix="/admin")
 
 
 async def require_admin(request: Request) -> Gateway:
-    """Admits TOLLGATE_ADMIN_KEY or a key made by `platform admin create-key`; tenants' API keys get 403."""
+    """Admits TOLLGATE_ADMIN_KEY or a key made by `platform admin create-key`; tenants' API keys get 403.
+    Other keys get a 503 (uncounted by the auth throttle) while the key database is unreachable."""
     gw: Gateway = request.app.state.gateway
     header = request.headers.get("authorization") or ""
     given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-    if not given or await run_in_threadpool(check_admin_key, gw.db, given, request.app.state.admin_key) is None:
+    if not given or await run_in_threadpool(checked_admin_key, gw.db, given, request.app.state.admin_key) is None:
         refusal = APIError(403 if given else 401, "This endpoint needs the admin key.", "invalid_request_error",
                            "admin_required")
         raise request.app.state.auth_throttle.throttled(refusal, client_address(request))

@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, select
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from billing.accounts import hash_key
 from billing.models import ApiKey, Tenant
 from gateway.errors import database_unavailable, unauthorized
+from gateway.key_db_outage import is_database_outage
 from gateway.outage_log import warn_once as _warn_once
 
 
@@ -75,7 +76,9 @@ class KeyStore:
             return hit[1]
         try:
             principal = self._load(digest)
-        except OperationalError:
+        except DBAPIError as error:
+            if not is_database_outage(error):
+                raise
             # the database is unreachable: a key seen before keeps its last known principal (fail open for
             # known tenants, logged); an unknown key cannot be checked, so it gets a 503, never a 500
             if hit is not None:

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import FileResponse, Response
 
-from billing.admin_keys import check_admin_key
 from gateway.dashboard.guard import (AdminForm, admin_form, checked_form, codec, gateway, read_session, redirect,
                                      set_cookie)
 from gateway.auth_throttle import client_address
 from gateway.dashboard.render import TEMPLATES, page, secure
 from gateway.errors import APIError
+from gateway.key_db_outage import checked_admin_key
 from gateway.dashboard.session import COOKIE
 
 log = logging.getLogger("tollgate.dashboard")
@@ -44,7 +44,13 @@ async def login(request: Request) -> Response:
         return _login_page(request, 403, "Your sign-in form expired. Please try again.")
     fields = await checked_form(request, session)
     key = fields.get("key", "").strip()
-    key_id = await run_in_threadpool(check_admin_key, gateway(request).db, key, request.app.state.admin_key)
+    try:
+        key_id = await run_in_threadpool(checked_admin_key, gateway(request).db, key, request.app.state.admin_key)
+    except APIError as unavailable:  # the key database is unreachable: neither refused nor counted
+        response = _login_page(request, unavailable.status, "The database is unavailable, so this key cannot be "
+                               "checked right now. Please try again in a few seconds.")
+        response.headers.update(unavailable.headers)
+        return response
     if key_id is None:
         log.info("dashboard sign-in refused")
         refusal = APIError(401, "That is not an admin key. Tenants' API keys cannot sign in here.", "invalid_request_error")
