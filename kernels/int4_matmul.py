@@ -10,19 +10,11 @@ sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.quant_linear_config import (
-    GEMM_MAX_M,
-    GEMV_MAX_M,
-    GemmConfig,
-    GemvConfig,
-    as_rows,
-    dot_precision,
-    gemm_config_for,
-)
+from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
+from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
 
 
 @triton.jit
@@ -144,6 +136,9 @@ def _int4_dequantize_kernel(
     tl.store(ptrs, w_t.to(out_ptr.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
+_INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=_int4_gemm_kernel)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
            ) -> tuple[int, int]:
     n, k = qweight.shape[0], qweight.shape[1] * 8
@@ -186,33 +181,9 @@ def int4_linear(
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype.
     Without configs, the GEMV is autotuned on CUDA per (N, K)."""
-    n, k = _check(x, qweight, scales, zeros, group_size)
-    rows = as_rows(x)
-    m = rows.shape[0]
-    if m > max_gemm_m:
-        return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
-    bias_arg = bias if bias is not None else scales
-    args = (rows, qweight, scales, zeros, bias_arg, out, m, n, k,
-            rows.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0))
-    if m <= max_gemv_m:
-        if gemv is None and x.is_cuda:
-            _int4_gemv_autotuned[lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))](
-                *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None
-            )
-        else:
-            cfg = gemv or GemvConfig()
-            _int4_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
-                *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps,
-            )
-    else:
-        cfg = gemm or gemm_config_for(m)
-        _int4_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-            *args, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-    return out.view(*x.shape[:-1], n)
+    n, _ = _check(x, qweight, scales, zeros, group_size)
+    return launch_quant_linear(
+        _INT4_KERNELS, x, (qweight, scales, zeros), (qweight.stride(0), scales.stride(0), zeros.stride(0)), n, bias,
+        lambda dtype: dequantize_int4(qweight, scales, zeros, group_size, dtype), {"GROUP_SIZE": group_size},
+        gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
+    )

@@ -5,19 +5,11 @@ output, after the sum over K. Batch-1 decode is bound by reading the weight, whi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.quant_linear_config import (
-    GEMM_MAX_M,
-    GEMV_MAX_M,
-    GemmConfig,
-    GemvConfig,
-    as_rows,
-    dot_precision,
-    gemm_config_for,
-)
+from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
+from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
 
 
 @triton.jit
@@ -90,6 +82,9 @@ def _int8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+_INT8_KERNELS = QuantLinearKernels(gemv=_int8_gemv_kernel, gemv_autotuned=_int8_gemv_autotuned, gemm=_int8_gemm_kernel)
+
+
 def int8_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -106,28 +101,8 @@ def int8_linear(
     n, k = qweight.shape
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
-    rows = as_rows(x)
-    m = rows.shape[0]
-    if m > max_gemm_m:
-        weight = (qweight.to(torch.float32) * scales[:, None]).to(x.dtype)
-        return F.linear(x, weight, bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
-    bias_arg = bias if bias is not None else scales
-    args = (rows, qweight, scales, bias_arg, out, m, n, k, rows.stride(0), qweight.stride(0), out.stride(0))
-    if m <= max_gemv_m:
-        if gemv is None and x.is_cuda:
-            _int8_gemv_autotuned[lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))](*args, HAS_BIAS=bias is not None)
-        else:
-            cfg = gemv or GemvConfig()
-            _int8_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
-                *args, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps
-            )
-    else:
-        cfg = gemm or gemm_config_for(m)
-        _int8_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-            *args, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return out.view(*x.shape[:-1], n)
+    return launch_quant_linear(
+        _INT8_KERNELS, x, (qweight, scales), (qweight.stride(0),), n, bias,
+        lambda dtype: (qweight.to(torch.float32) * scales[:, None]).to(dtype), {},
+        gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
+    )
