@@ -23,6 +23,7 @@ from engine.quantization.kv_cache import kv_cache_torch_dtype
 from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,23 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**30)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not config.enforce_eager and kernels.triton_available():
             self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, device)
             self.graphs.capture()
+            self.verify_graphs = self._capture_verify_graphs()
+
+    def _capture_verify_graphs(self) -> DecodeGraphs | None:
+        """Graphs for speculative verify steps in which every sequence checks all k drafts (batch-1 decode
+        always does); speculation runs only below disable_by_batch_size sequences, so no larger ones."""
+        if self.config.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(self.config.speculative_config)
+        max_seqs = min(self.config.max_num_seqs, spec.disable_by_batch_size)
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_seqs, self.max_blocks_per_seq, self.device,
+                              tokens_per_seq=spec.num_speculative_tokens + 1)
+        graphs.capture()
+        return graphs
 
     @property
     def bytes_per_block(self) -> int:
@@ -141,9 +156,11 @@ class ModelRunner:
             send_step(self.tp, host)
         inputs = device_inputs(host, self.device)
         meta, logits_indices = inputs.meta, inputs.logits_indices
-        if self.graphs is not None and meta.decode_only and host.num_seqs <= self.graphs.max_batch_size:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
-                                     meta.block_tables)
+        graphs = next((g for g in (self.graphs, self.verify_graphs)
+                       if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
+        if graphs is not None:
+            hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                meta.block_tables)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
         if not logits_indices:
@@ -165,8 +182,8 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Graphs that captured NCCL calls must be freed before the process group is torn down, or
         ncclCommDestroy waits forever (pytorch/pytorch#115388)."""
-        if self.graphs is not None:
-            self.graphs = None
+        if self.graphs is not None or self.verify_graphs is not None:
+            self.graphs = self.verify_graphs = None
             torch.cuda.synchronize(self.device)
             gc.collect()
 
