@@ -12,7 +12,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from engine.quantization.channel_scaled import ChannelScaledLinear, channel_scales
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,8 @@ FP8_MAX = 448.0
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (qweight [N, K] float8_e4m3fn, scales [N] float32)."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
-    return (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    scales = channel_scales(weight, FP8_MAX)
+    return (weight.float() / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
 def scaled_mm_mode(device: torch.device, in_features: int, out_features: int) -> str | None:
@@ -39,33 +39,17 @@ def scaled_mm_mode(device: torch.device, in_features: int, out_features: int) ->
     return None
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(ChannelScaledLinear):
+    quantize = staticmethod(quantize_fp8)
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  mode: str | None = "auto") -> None:
-        super().__init__()
-        self.qweight = nn.Parameter(qweight, requires_grad=False)
-        self.scales = nn.Parameter(scales.float(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        super().__init__(qweight, scales, bias)
         n, k = qweight.shape
         self.mode = scaled_mm_mode(qweight.device, k, n) if mode == "auto" else mode
         if self.mode is None and qweight.is_cuda:
             log.warning("fp8 weights: torch._scaled_mm needs compute capability >= 8.9 and sizes divisible by 16; "
                         "this layer dequantizes instead")
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Fp8Linear":
-        return cls(*quantize_fp8(weight), bias)
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scales[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
