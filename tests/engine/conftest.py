@@ -63,3 +63,13 @@ def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     tiny_hf_model("llama").save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): on a busy
+    2-core box a second OpenMP thread waits on the first at every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,16 +11,9 @@ from engine.random_models import write_random_checkpoint
 from engine.spec_decode.ngram import lookup
 from tests.engine.conftest import tiny_hf_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core box a second OpenMP thread waits on the first at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

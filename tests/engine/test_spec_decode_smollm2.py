@@ -5,11 +5,12 @@ a KV pool too small for all of it, a stop string inside a run of accepted drafts
 import dataclasses
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.speculator import make_speculator
 from tests.engine.conftest import smollm2_available
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TEXT = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and it barked loudly at the fox, "
         "which ran into the forest and hid behind an old oak tree until the evening came.")
@@ -25,15 +26,6 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=32),
     SamplingParams(temperature=0, max_tokens=32),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core box a second OpenMP thread waits on the first at every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
