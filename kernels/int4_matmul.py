@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
-from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
+from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
 
 
 @triton.jit
@@ -66,13 +66,9 @@ def _int4_gemv_kernel(
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-_int4_gemv_autotuned = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-        for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 256, 4), (4, 2048, 8)]
-    ],
-    key=["N", "K"],
-)(_int4_gemv_kernel)
+_int4_gemv_autotuned = autotuned_gemv(
+    _int4_gemv_kernel, [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 256, 4), (4, 2048, 8)]
+)
 
 
 @triton.jit

@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
-from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
+from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
+from kernels.reference import dequantize_int8
 
 
 @triton.jit
@@ -40,13 +41,9 @@ def _int8_gemv_kernel(
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-_int8_gemv_autotuned = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-        for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4), (4, 2048, 8)]
-    ],
-    key=["N", "K"],
-)(_int8_gemv_kernel)
+_int8_gemv_autotuned = autotuned_gemv(
+    _int8_gemv_kernel, [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4), (4, 2048, 8)]
+)
 
 
 @triton.jit
@@ -103,6 +100,6 @@ def int8_linear(
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
     return launch_quant_linear(
         _INT8_KERNELS, x, (qweight, scales), (qweight.stride(0),), n, bias,
-        lambda dtype: (qweight.to(torch.float32) * scales[:, None]).to(dtype), {},
+        lambda dtype: dequantize_int8(qweight, scales, dtype), {},
         gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
     )

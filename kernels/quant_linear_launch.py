@@ -23,6 +23,16 @@ from kernels.quant_linear_config import (
 )
 
 
+def autotuned_gemv(kernel: Any, block_n_block_k_warps: list[tuple[int, int, int]]) -> Any:
+    """The GEMV kernel under triton.autotune over the given (BLOCK_N, BLOCK_K, num_warps), keyed on (N, K)."""
+    return triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in block_n_block_k_warps
+        ],
+        key=["N", "K"],
+    )(kernel)
+
+
 @dataclass(frozen=True)
 class QuantLinearKernels:
     """The Triton kernels of one quantization scheme. Each takes (x, *weight, bias, out, M, N, K, stride of x,
