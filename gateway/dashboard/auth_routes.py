@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import FileResponse, Response
 
+from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.guard import (AdminForm, admin_form, checked_form, codec, gateway, read_session, redirect,
                                      set_cookie)
 from gateway.auth_throttle import client_address
@@ -17,7 +18,7 @@ from gateway.key_db_outage import checked_admin_key
 from gateway.dashboard.session import COOKIE
 
 log = logging.getLogger("tollgate.dashboard")
-router = APIRouter()
+router = APIRouter(route_class=OutagePageRoute)
 
 
 def _login_page(request: Request, status_code: int = 200, error: str | None = None) -> Response:

@@ -12,11 +12,12 @@ from starlette.responses import Response
 
 from billing.accounts import AccountError, CreatedKey, create_key, list_keys, list_tenants, revoke_key
 from billing.key_limits import set_key_limits
+from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.guard import AdminForm, admin_form, admin_page, admin_session, gateway, redirect
 from gateway.dashboard.session import AdminSession
 
 log = logging.getLogger("tollgate.dashboard")
-router = APIRouter()
+router = APIRouter(route_class=OutagePageRoute)
 NOTICES = {"revoked": "Key revoked.", "limits": "Limits saved."}
 
 

@@ -10,12 +10,13 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.guard import AdminForm, admin_form, admin_page, admin_session, gateway, redirect
 from gateway.dashboard.models_view import model_rows
 from gateway.dashboard.session import AdminSession
 
 log = logging.getLogger("tollgate.dashboard")
-router = APIRouter()
+router = APIRouter(route_class=OutagePageRoute)
 NO_SCALING = ("Scaling needs the Ray platform (`platform up`): this gateway runs its models in-process, "
               "one engine each.")
 

@@ -9,12 +9,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from gateway.dashboard import stats
+from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.charts import bar_chart
 from gateway.dashboard.guard import admin_page, admin_session, gateway, redirect
 from gateway.dashboard.session import AdminSession
 from gateway.dashboard.models_view import model_rows
 
-router = APIRouter()
+router = APIRouter(route_class=OutagePageRoute)
 CHART_DAYS = (7, 30, 90)
 
 
