@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
@@ -62,10 +66,16 @@ class EngineConfig:
                  f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.speculative_config is not None:
-            from engine.spec_decode.config import SpeculativeConfig
+        _ = self.speculative  # parses and checks speculative_config once; readers get the cached result
 
-            SpeculativeConfig.from_dict(self.speculative_config)
+    @cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed; None without speculation."""
+        if self.speculative_config is None:
+            return None
+        from engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

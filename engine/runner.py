@@ -23,7 +23,6 @@ from engine.quantization.kv_cache import kv_cache_torch_dtype
 from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -79,9 +78,9 @@ class ModelRunner:
     def _capture_verify_graphs(self) -> DecodeGraphs | None:
         """Graphs for speculative verify steps in which every sequence checks all k drafts (batch-1 decode
         always does); speculation runs only below disable_by_batch_size sequences, so no larger ones."""
-        if self.config.speculative_config is None:
+        spec = self.config.speculative
+        if spec is None:
             return None
-        spec = SpeculativeConfig.from_dict(self.config.speculative_config)
         max_seqs = min(self.config.max_num_seqs, spec.disable_by_batch_size)
         graphs = DecodeGraphs(self.model, self.kv_caches, max_seqs, self.max_blocks_per_seq, self.device,
                               tokens_per_seq=spec.num_speculative_tokens + 1)

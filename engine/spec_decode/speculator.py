@@ -66,9 +66,9 @@ class Speculator:
 def make_speculator(engine_config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Speculator | None:
     """The speculator engine_config.speculative_config asks for, or None; check_target it once the target is
     loaded. A draft model is loaded here, before the target sizes its KV pool from the memory left."""
-    if engine_config.speculative_config is None:
+    config = engine_config.speculative
+    if config is None:
         return None
-    config = SpeculativeConfig.from_dict(engine_config.speculative_config)
     proposer: Proposer
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
