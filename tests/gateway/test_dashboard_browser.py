@@ -72,13 +72,17 @@ def wait_for(driver, condition) -> None:  # type: ignore[no-untyped-def]
 
 def _stale(element) -> bool:  # type: ignore[no-untyped-def]
     """True once the page that held `element` has been replaced."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 
     try:
         element.is_enabled()
         return False
     except StaleElementReferenceException:
         return True
+    except WebDriverException as e:  # Chromium, caught mid-swap, says so in its own words
+        if "does not belong to the document" in str(e):
+            return True
+        raise
 
 
 def test_dashboard_in_chromium(dashboard, browser, tmp_path):
