@@ -291,7 +291,7 @@ class Ledger:
             try:
                 with self._spill_lock:
                     self._spill.append(rows)
-                self.spilled_total += len(rows)
+                    self.spilled_total += len(rows)
                 return
             except OSError:
                 log.exception("ledger: could not spill %d events to disk; keeping them in memory", len(rows))
