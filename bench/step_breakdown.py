@@ -39,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    # synchronous steps: the timers below wait for the GPU around each phase, which async scheduling would hide
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, async_scheduling=False)
     engine = llm.engine
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = defaultdict(list)

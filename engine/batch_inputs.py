@@ -1,7 +1,9 @@
 """Flattens a scheduled batch into the model's input tensors, with numpy on the host and one
 host-to-device copy for all the 1-D index tensors (plus one for the block tables).
 
-The host half (HostInputs) is what rank 0 sends to the other tensor-parallel ranks each step."""
+The host half (HostInputs) is what rank 0 sends to the other tensor-parallel ranks each step. An input
+token still PENDING_TOKEN on the host (async scheduling) is read on the device from the previous step's
+sampled tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.deferred_tokens import PENDING_TOKEN
 from engine.models.attention_metadata import AttentionMetadata
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -25,13 +28,16 @@ class BatchInputs:
 
 @dataclass
 class HostInputs:
-    packed: np.ndarray  # int64: token ids, positions, slots (num_tokens each), seq ends, query starts
+    # int64: token ids, positions, slots, previous-step rows (num_tokens each), seq ends, query starts
+    packed: np.ndarray
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
     num_tokens: int
     num_seqs: int
     max_query_len: int
     max_seq_len: int
     logits_indices: list[int]
+    # length of the previous step's sampled-token tensor that PENDING inputs read from; 0 when none is pending
+    num_previous_rows: int = 0
 
 
 def _scheduled_tokens(seq: Sequence, start: int, end: int) -> list[int]:
@@ -52,7 +58,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     return device_inputs(host_inputs(batch, block_size), device)
 
 
-def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
+def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int = 0) -> HostInputs:
     seqs = batch.seqs
     n = len(seqs)
     num_new = np.fromiter(batch.num_new_tokens, dtype=np.int64, count=n)
@@ -80,21 +86,29 @@ def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
         owner = np.repeat(np.arange(n), num_new)
         positions = np.arange(total, dtype=np.int64) - query_start[owner] + starts[owner]
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    previous_rows = np.full(total, -1, dtype=np.int64)
+    pending = input_ids == PENDING_TOKEN
+    if pending.any():
+        if not num_previous_rows:
+            raise RuntimeError("a scheduled input token is pending but no step is in flight")
+        rows_of_seq = np.fromiter((s.pending_row for s in seqs), dtype=np.int64, count=n)
+        previous_rows[pending] = rows_of_seq[owner[pending]]
 
     num_drafts = np.fromiter((len(s.spec_token_ids) for s in seqs), dtype=np.int64, count=n)
     caught_up = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n) + num_drafts == ends
     return HostInputs(
-        packed=np.concatenate([input_ids, positions, slots, ends, query_start]),
+        packed=np.concatenate([input_ids, positions, slots, previous_rows, ends, query_start]),
         block_tables=tables,
         num_tokens=total,
         num_seqs=n,
         max_query_len=int(num_new.max()),
         max_seq_len=int(ends.max()),
         logits_indices=_logits_rows(query_start[1:][caught_up] - 1, num_drafts[caught_up]),
+        num_previous_rows=num_previous_rows if pending.any() else 0,
     )
 
 
-def device_inputs(host: HostInputs, device: torch.device) -> BatchInputs:
+def device_inputs(host: HostInputs, device: torch.device, previous_ids: torch.Tensor | None = None) -> BatchInputs:
     total, n = host.num_tokens, host.num_seqs
     packed = torch.from_numpy(host.packed)
     tables_t = torch.from_numpy(host.block_tables)
@@ -102,7 +116,9 @@ def device_inputs(host: HostInputs, device: torch.device) -> BatchInputs:
         packed, tables_t = packed.pin_memory(), tables_t.pin_memory()
     packed = packed.to(device, non_blocking=True)
     tables_t = tables_t.to(device, non_blocking=True)
-    ids_t, pos_t, slots_t, lens_t, qsl_t = packed.split([total, total, total, n, n + 1])
+    ids_t, pos_t, slots_t, rows_t, lens_t, qsl_t = packed.split([total, total, total, total, n, n + 1])
+    if host.num_previous_rows:
+        ids_t = torch.where(rows_t >= 0, previous_ids[rows_t.clamp(min=0)], ids_t)
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         block_tables=tables_t,

@@ -41,6 +41,9 @@ class EngineConfig:
     quantization: str | None = None
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    # Launch step N+1 before reading step N's tokens, so host work overlaps the forward pass. Off with
+    # speculative decoding (its proposer reads the newest tokens) and for steps returning logprobs.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path or name")
@@ -66,6 +69,8 @@ class EngineConfig:
                  f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _require(isinstance(self.async_scheduling, bool), "async_scheduling",
+                 f"must be true or false, got {self.async_scheduling!r}")
         _ = self.speculative  # parses and checks speculative_config once; readers get the cached result
 
     @cached_property

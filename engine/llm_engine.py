@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, SamplingParams
+from engine.deferred_tokens import PENDING_TOKEN, DeferredTokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache import KVCacheManager
@@ -88,6 +89,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, RequestState] = {}
         self.metrics = EngineMetrics()
+        self.overlap = config.async_scheduling and self.speculator is None
+        self.in_flight: DeferredTokens | None = None  # the last step's tokens, sampled but not read yet
         self.load_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks", self.load_seconds, self.max_model_len,
                  self.runner.num_blocks)
@@ -141,6 +144,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device)
+            seq.max_num_tokens = longest
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seqs.append(seq)
@@ -156,6 +160,7 @@ class LLMEngine:
             return None
         for seq in state.seqs:
             if not seq.finished:
+                _drop_pending_token(seq)
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         if self.speculator is not None:
@@ -169,14 +174,50 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step, then reads the tokens of the step before it (async scheduling) or of
+        this one; returns the requests with new output."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.metrics.num_preemptions += len(batch.preempted)
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
-        if not batch.seqs:
-            return []
+        previous, self.in_flight = self.in_flight, None
+        if batch.seqs:
+            self._count_prompt_tokens(batch)
+            logits, sampled_seqs = self.runner.forward_logits(batch, previous)
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+                seq.num_computed_tokens += num_new
+            self.metrics.num_steps += 1
+        touched: dict[str, RequestState] = {}
+        if previous is not None:
+            self._accept(self._read_in_flight(previous), touched)
+        deferred = None
+        if batch.seqs:
+            if self.overlap and sampled_seqs and all(seq.logprobs is None for seq in sampled_seqs):
+                for seq in batch.seqs:
+                    self.kv.cache_computed_blocks(seq)
+                deferred = self.runner.sample_deferred(logits, sampled_seqs)
+            else:
+                sampled = self.runner.sample(logits, sampled_seqs)
+                num_sampled = Counter(id(item.seq) for item in sampled)
+                for seq in batch.seqs:
+                    if seq.spec_token_ids:
+                        self._drop_rejected_drafts(seq, num_sampled[id(seq)] - 1)
+                    self.kv.cache_computed_blocks(seq)
+                self._accept(sampled, touched)
+        outputs = self._outputs(touched)
+        if deferred is not None:
+            for row, seq in enumerate(deferred.seqs):
+                if not seq.finished:
+                    seq.token_ids.append(PENDING_TOKEN)
+                    seq.pending_row = row
+            self.in_flight = deferred
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
+        return outputs
+
+    def _count_prompt_tokens(self, batch) -> None:
         now = time.monotonic()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             metrics = self.requests[seq.request_id].metrics
@@ -189,15 +230,19 @@ class LLMEngine:
                 computed = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) - seq.num_computed_tokens
                 metrics.num_computed_prompt_tokens += computed
                 self.metrics.prompt_tokens_computed += computed
-        sampled = self.runner.execute(batch)
-        num_sampled = Counter(id(item.seq) for item in sampled)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            if seq.spec_token_ids:
-                self._drop_rejected_drafts(seq, num_sampled[id(seq)] - 1)
-            self.kv.cache_computed_blocks(seq)
-        self.metrics.num_steps += 1
-        touched: dict[str, RequestState] = {}
+
+    @staticmethod
+    def _read_in_flight(deferred: DeferredTokens) -> list[SampledToken]:
+        """The in-flight step's tokens in place of their PENDING_TOKEN; sequences finished since are skipped."""
+        sampled = []
+        for seq, token in zip(deferred.seqs, deferred.tolist()):
+            if seq.finished:
+                continue
+            _drop_pending_token(seq)
+            sampled.append(SampledToken(seq, token, None))
+        return sampled
+
+    def _accept(self, sampled: list[SampledToken], touched: dict[str, RequestState]) -> None:
         now = time.monotonic()
         for item in sampled:
             if item.seq.finished:  # kept drafts after a stop in the same step
@@ -208,7 +253,10 @@ class LLMEngine:
                 state.metrics.first_token_time = now
             self._append_token(item)
             touched[state.request_id] = state
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
+        now = time.monotonic()
         for state in touched.values():
             finished = state.finished
             if finished:
@@ -218,8 +266,6 @@ class LLMEngine:
                                             max(seq.num_output_tokens for seq in state.seqs))
             if state.stream or finished:
                 outputs.append(self._output(state))
-        if self.speculator is not None:
-            self.speculator.release(self.scheduler.running)
         return outputs
 
     def _drop_rejected_drafts(self, seq: Sequence, num_kept: int) -> None:
@@ -335,3 +381,10 @@ class LLMEngine:
         )
         snap["load_seconds"] = self.load_seconds
         return snap
+
+
+def _drop_pending_token(seq: Sequence) -> None:
+    if seq.pending_row >= 0:
+        assert seq.token_ids[-1] == PENDING_TOKEN
+        seq.token_ids.pop()
+        seq.pending_row = -1

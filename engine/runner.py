@@ -13,8 +13,9 @@ import kernels
 from engine.batch_inputs import HostInputs, device_inputs, host_inputs
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.deferred_tokens import DeferredTokens
 from engine.distributed.parallel_state import SINGLE, TensorParallel
-from engine.distributed.step_channel import receive_step, send_step
+from engine.distributed.step_channel import receive_step, send_step, share_previous_tokens
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
@@ -24,6 +25,7 @@ from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.spec_decode.rejection_sampler import rejection_sample
+from engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -139,21 +141,26 @@ class ModelRunner:
         return budget // self.bytes_per_block
 
     @torch.inference_mode()
-    def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def forward_logits(self, batch: ScheduledBatch, previous: DeferredTokens | None = None
+                       ) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs the batch; returns logits for the sequences whose tokens are all computed now: one row each, and
-        before it one per draft token of a sequence that speculates (its last token's row, then its drafts')."""
-        logits = self.run_model(host_inputs(batch, self.block_size))
+        before it one per draft token of a sequence that speculates (its last token's row, then its drafts').
+        Pending input tokens are read from `previous`, the step still in flight."""
+        host = host_inputs(batch, self.block_size, previous.num_rows if previous is not None else 0)
+        logits = self.run_model(host, previous.device_ids if previous is not None else None)
         sampled_seqs = [
             seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
         ]
         return logits, sampled_seqs
 
     @torch.inference_mode()
-    def run_model(self, host: HostInputs) -> torch.Tensor:
+    def run_model(self, host: HostInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The forward pass every tensor-parallel rank runs; rank 0 first sends the step to the others."""
-        if self.tp.size > 1 and self.tp.is_driver:
-            send_step(self.tp, host)
-        inputs = device_inputs(host, self.device)
+        if self.tp.size > 1:
+            if self.tp.is_driver:
+                send_step(self.tp, host)
+            previous_ids = share_previous_tokens(self.tp, host, previous_ids, self.device)
+        inputs = device_inputs(host, self.device, previous_ids)
         meta, logits_indices = inputs.meta, inputs.logits_indices
         graphs = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
@@ -165,7 +172,7 @@ class ModelRunner:
         if not logits_indices:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         if len(logits_indices) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(logits_indices, device=self.device))
+            hidden = hidden.index_select(0, to_device(logits_indices, torch.int64, self.device))
         return self.model.compute_logits(hidden)
 
     def serve_steps(self) -> None:
@@ -188,11 +195,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """The next tokens of each caught-up sequence: one, or for one that speculates its kept drafts and one more."""
         logits, seqs = self.forward_logits(batch)
+        return self.sample(logits, seqs)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """The next tokens of each caught-up sequence: one, or for one that speculates its kept drafts and one more."""
         if any(seq.spec_token_ids for seq in seqs):
             return self._verify_drafts(logits, seqs)
         return self._sample(logits, seqs)
+
+    @torch.inference_mode()
+    def sample_deferred(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeferredTokens:
+        """One next token per sequence, sampled on the device; the host reads them later (async scheduling)."""
+        return DeferredTokens(self.sampler.token_tensor(self._constrained(logits, seqs), self._sampling_rows(seqs)),
+                              seqs)
 
     def _verify_drafts(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         last_rows = np.cumsum([1 + len(seq.spec_token_ids) for seq in seqs]) - 1
@@ -215,14 +232,16 @@ class ModelRunner:
             out[i] = [SampledToken(seqs[i], token, None) for token in tokens]
         return [item for items in out for item in items]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        if not seqs:
-            return []
-        rows = [
+    @staticmethod
+    def _sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
+        return [
             SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
             if _uses_penalties(seq.params) else SamplingRow(seq.params, (), (), seq.generator)
             for seq in seqs
         ]
+
+    def _constrained(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Bans end-of-sequence and stop tokens (in place) for sequences short of their min_tokens."""
         banned = {
             i: self.eos_token_ids | frozenset(seq.params.stop_token_ids)
             for i, seq in enumerate(seqs)
@@ -230,7 +249,12 @@ class ModelRunner:
         }
         if banned:
             suppress_tokens(logits, banned)
-        out = self.sampler(logits, rows)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        if not seqs:
+            return []
+        out = self.sampler(self._constrained(logits, seqs), self._sampling_rows(seqs))
         logprobs = out.logprobs or [None] * len(seqs)
         return [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, logprobs)]
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
+from engine.transfer import to_device
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties", "processed_probs", "sample_from_probs",
            "suppress_tokens"]
@@ -47,7 +48,9 @@ def suppress_tokens(logits: torch.Tensor, rows_to_token_ids: dict[int, Collectio
     if not row_index:
         return
     device = logits.device
-    logits[torch.tensor(row_index, device=device), torch.tensor(col_index, device=device)] = _NEG_INF
+    index = (to_device(row_index, torch.int64, device), to_device(col_index, torch.int64, device))
+    # a device tensor of -inf: a Python scalar would be copied to the GPU synchronously
+    logits.index_put_(index, torch.full((len(row_index),), _NEG_INF, dtype=logits.dtype, device=device))
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -55,7 +58,7 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)
 
 
 def _token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -64,8 +67,8 @@ def _token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: t
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     if int(lengths.sum()) == 0:
         return counts
-    rows = torch.repeat_interleave(torch.arange(len(sequences)), lengths).to(device)
-    cols = torch.tensor(list(chain.from_iterable(sequences)), dtype=torch.int64, device=device)
+    rows = to_device(torch.repeat_interleave(torch.arange(len(sequences)), lengths), torch.int64, device)
+    cols = to_device(list(chain.from_iterable(sequences)), torch.int64, device)
     counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.float32), accumulate=True)
     return counts
 
@@ -105,7 +108,7 @@ def _filter_support(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     if any(k < vocab_size for k in top_k) or any(p != float("inf") for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab_size, device=device).unsqueeze(0)
-        k_tensor = torch.tensor(top_k, dtype=torch.int64, device=device).unsqueeze(1)
+        k_tensor = to_device(top_k, torch.int64, device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(rank >= k_tensor, _NEG_INF)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # 0 at rank 0: the best token always stays
@@ -127,7 +130,7 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab_size:
     if len(unseeded) == len(generators):
         noise.exponential_()
     elif unseeded:
-        noise[torch.tensor(unseeded, device=device)] = torch.empty(
+        noise[to_device(unseeded, torch.int64, device)] = torch.empty(
             len(unseeded), vocab_size, dtype=torch.float32, device=device).exponential_()
     for i, generator in enumerate(generators):
         if generator is not None:
@@ -177,29 +180,29 @@ def _logprobs(raw_logits: torch.Tensor, token_ids: list[int], params: Sequence[S
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def token_tensor(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One token id per row, left on the logits' device (nothing waits for the GPU)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected shape [{len(rows)}, V], got {tuple(logits.shape)}")
         params = [r.params for r in rows]
-        wants_logprobs = any(p.logprobs is not None for p in params)
         if any(_uses_penalties(p) for p in params):
             adjusted = apply_penalties(logits, rows)
         else:
             adjusted = logits.to(torch.float32)  # read only below, so no copy is needed
 
-        greedy = [p.temperature == 0.0 for p in params]
-        if all(greedy) and not wants_logprobs:
-            return SamplerOutput(token_ids=adjusted.argmax(dim=-1).tolist(), logprobs=None)
-
-        sampled = [i for i, g in enumerate(greedy) if not g]
+        sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if len(sampled) == len(rows):
-            tokens = _sample(adjusted, rows)
-        else:
-            tokens = adjusted.argmax(dim=-1)
-            if sampled:
-                index = torch.tensor(sampled, device=logits.device)
-                tokens[index] = _sample(adjusted[index], [rows[i] for i in sampled])
-        token_ids: list[int] = tokens.tolist()
+            return _sample(adjusted, rows)
+        tokens = adjusted.argmax(dim=-1)
+        if sampled:
+            index = to_device(sampled, torch.int64, logits.device)
+            tokens[index] = _sample(adjusted[index], [rows[i] for i in sampled])
+        return tokens
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        token_ids: list[int] = self.token_tensor(logits, rows).tolist()
+        params = [r.params for r in rows]
+        wants_logprobs = any(p.logprobs is not None for p in params)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=_logprobs(logits, token_ids, params) if wants_logprobs else None,

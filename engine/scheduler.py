@@ -86,6 +86,8 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.WAITING:
                 continue  # preempted earlier in this step
+            if seq.finishes_when_read:
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             has_room = num_new == 1 and seq.num_computed_tokens < len(seq.block_ids) * self.kv.block_size
             if seq.spec_token_ids:

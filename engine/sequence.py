@@ -70,6 +70,10 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         # [len(spec_token_ids), V]: the distribution a draft model drew them from; None for a deterministic proposal
         self.spec_draft_probs: torch.Tensor | None = None
+        # row of this sequence in the in-flight step's sampled tokens while its last token is PENDING_TOKEN
+        self.pending_row = -1
+        # tokens at which it stops for length (max_tokens or the model's context); set by the engine
+        self.max_num_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +90,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finishes_when_read(self) -> bool:
+        """Its pending token is its last: it stops for length once the host reads it, so it needs no next step."""
+        return self.pending_row >= 0 and self.max_num_tokens is not None and self.num_tokens >= self.max_num_tokens
 
     @property
     def finished(self) -> bool:

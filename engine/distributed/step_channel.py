@@ -1,5 +1,7 @@
 """Rank 0 sends each step's host inputs to the other ranks over the gloo group: a fixed-size header,
-then one int64 payload. Every rank then runs the same forward pass on its shard of the model."""
+then one int64 payload; when the step reads pending input tokens, it then broadcasts the previous
+step's sampled tokens over the device group. Every rank then runs the same forward pass on its shard
+of the model."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ _STOP = -1
 def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
     """`None` tells the other ranks to leave their step loop."""
     if host is None:
-        dist.broadcast(torch.tensor([0, _STOP, 0, 0, 0, 0], dtype=torch.int64), src=0, group=tp.cpu_group)
+        dist.broadcast(torch.tensor([0, _STOP, 0, 0, 0, 0, 0], dtype=torch.int64), src=0, group=tp.cpu_group)
         return
     header = torch.tensor([host.num_tokens, host.num_seqs, host.block_tables.shape[1], host.max_query_len,
-                           host.max_seq_len, len(host.logits_indices)], dtype=torch.int64)
+                           host.max_seq_len, len(host.logits_indices), host.num_previous_rows], dtype=torch.int64)
     payload = np.concatenate([host.packed, host.block_tables.astype(np.int64).ravel(),
                               np.asarray(host.logits_indices, dtype=np.int64)])
     dist.broadcast(header, src=0, group=tp.cpu_group)
@@ -27,12 +29,12 @@ def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
 
 
 def receive_step(tp: TensorParallel) -> HostInputs | None:
-    header = torch.empty(6, dtype=torch.int64)
+    header = torch.empty(7, dtype=torch.int64)
     dist.broadcast(header, src=0, group=tp.cpu_group)
-    num_tokens, num_seqs, max_blocks, max_query_len, max_seq_len, num_logits = header.tolist()
+    num_tokens, num_seqs, max_blocks, max_query_len, max_seq_len, num_logits, num_previous = header.tolist()
     if num_seqs == _STOP:
         return None
-    packed_len = 3 * num_tokens + 2 * num_seqs + 1
+    packed_len = 4 * num_tokens + 2 * num_seqs + 1
     payload = torch.empty(packed_len + num_seqs * max_blocks + num_logits, dtype=torch.int64)
     dist.broadcast(payload, src=0, group=tp.cpu_group)
     data = payload.numpy()
@@ -45,4 +47,16 @@ def receive_step(tp: TensorParallel) -> HostInputs | None:
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         logits_indices=data[packed_len + num_seqs * max_blocks:].tolist(),
+        num_previous_rows=num_previous,
     )
+
+
+def share_previous_tokens(tp: TensorParallel, host: HostInputs, token_ids: torch.Tensor | None,
+                          device: torch.device) -> torch.Tensor | None:
+    """Rank 0's previous sampled tokens on every rank, when this step reads pending inputs from them."""
+    if not host.num_previous_rows:
+        return token_ids
+    if not tp.is_driver:
+        token_ids = torch.empty(host.num_previous_rows, dtype=torch.int64, device=device)
+    dist.broadcast(token_ids, src=0, group=tp.device_group)
+    return token_ids

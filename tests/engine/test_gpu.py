@@ -79,3 +79,25 @@ def test_bf16_llama_1b_prefill_logits_agree_with_hf():
     assert confident >= 100
     assert confident_ok / confident >= 0.99
     assert ours_ok / total >= hf16_ok / total - 0.01
+
+
+def test_async_steps_never_wait_for_the_gpu(tiny_llama_dir):
+    """With async scheduling a step launches the next forward pass before reading the last one's tokens; any
+    synchronising call (a pageable copy, .item(), .tolist() of a device tensor) would undo the overlap."""
+    llm = LLM(tiny_llama_dir, device="cuda", num_kv_blocks=256, max_num_batched_tokens=64)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(5)
+    for i, n in enumerate((3, 17, 40, 71, 5, 33, 90, 12)):
+        params = SamplingParams(temperature=0.8 if i % 2 else 0, top_p=0.9, seed=i, max_tokens=40, ignore_eos=True,
+                                presence_penalty=0.5 if i == 3 else 0.0, min_tokens=4)
+        engine.add_request(str(i), torch.randint(0, 300, (n,), generator=gen).tolist(), params)
+    for _ in range(3):  # first launches: Triton compiles, the allocators grow
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()  # prefill chunks, mixed steps and graph-replayed decodes
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.kv.num_used_blocks == 0

@@ -26,8 +26,8 @@ def run_and_capture_logits(engine: LLMEngine, prompts: dict[str, list[int]], max
     captured: dict[str, list[tuple[int, torch.Tensor]]] = {rid: [] for rid in prompts}
     original = engine.runner.forward_logits
 
-    def spy(batch):
-        logits, seqs = original(batch)
+    def spy(batch, previous=None):
+        logits, seqs = original(batch, previous)
         for row, seq in zip(logits, seqs):
             captured[seq.request_id].append((seq.num_tokens, row.clone()))
         return logits, seqs
