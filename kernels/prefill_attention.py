@@ -92,7 +92,9 @@ def _attend_tile(
     return m_new, l, acc
 
 
-@triton.jit
+# Values that change from step to step are not specialised on: each new specialisation would compile
+# mid-serving (seconds on a cold cache).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -186,6 +188,11 @@ def _prefill_kernel(
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def _seqs_pad(num_seqs: int) -> int:
+    """Two buckets up to 256 sequences rather than one compiled variant per power of two."""
+    return 16 if num_seqs <= 16 else max(256, triton.next_power_of_2(num_seqs))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -239,7 +246,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        SEQS_PAD=triton.next_power_of_2(num_seqs),
+        SEQS_PAD=_seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_KV_HEADS=num_kv_heads,
         KV_QUANT=kv_quant,
