@@ -164,7 +164,7 @@ def decode_attention(
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times the int8 weight [N, K] with per-output-channel scales [N], plus bias."""
+    """x [..., K] times the int8 (or float8_e4m3fn) weight [N, K] with per-output-channel scales [N], plus bias."""
     if ops := _triton_for(x):
         return ops.int8_matmul.int8_linear(x, qweight, scales, bias)
     return _ref.int8_linear(x, qweight, scales, bias)

@@ -1,6 +1,7 @@
 """Weight-only int8 linear: y = x (q * scales[:, None])^T + b, with q [N, K] int8 and one float32 scale
 per output channel. The weight is converted in registers; the per-channel scale is applied once per
-output, after the sum over K. Batch-1 decode is bound by reading the weight, which is half of bf16's."""
+output, after the sum over K. Batch-1 decode is bound by reading the weight, which is half of bf16's.
+The same kernels read float8_e4m3fn weights with per-channel scales (fp8 decode, engine/quantization/fp8.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _int8_gemv_kernel(
         k = k0 + cols
         k_ok = k < K
         x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
@@ -68,7 +69,7 @@ def _int8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk + k0 < K
         a = tl.load(x_ptrs, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & (rn < N)[None, :], other=0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -93,7 +94,7 @@ def int8_linear(
     max_gemv_m: int = GEMV_MAX_M,
     max_gemm_m: int = GEMM_MAX_M,
 ) -> torch.Tensor:
-    """x [..., K] @ dequantized(qweight [N, K] int8, scales [N] float32)^T + bias -> [..., N] in x.dtype.
+    """x [..., K] @ dequantized(qweight [N, K] int8 or float8_e4m3fn, scales [N] float32)^T + bias -> [..., N].
     Without configs, the GEMV is autotuned on CUDA per (N, K)."""
     n, k = qweight.shape
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:

@@ -1,6 +1,8 @@
 """fp8 (e4m3) linear: weight in float8_e4m3fn with one float32 scale per output channel.
 
-On CUDA with compute capability >= 8.9 the matmul runs in fp8 through torch._scaled_mm: activations
+Decode rows on CUDA (at most GEMV_MAX_M) go through the int8 GEMV kernel, which reads fp8 weights as well:
+torch._scaled_mm has no GEMV and at one row runs slower than bf16. Otherwise, on CUDA with compute
+capability >= 8.9 the matmul runs in fp8 through torch._scaled_mm: activations
 are quantized per token (row) with a dynamic scale, amax / 448. Hopper (9.0+) with bf16 activations
 uses row-wise scales for both operands; Ada (8.9) or other activation dtypes use one activation scale
 per call and apply the weight's channel scales after. Elsewhere (CPU, older GPUs) the weight is
@@ -13,7 +15,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+import kernels as ops
 from engine.quantization.channel_scaled import ChannelScaledLinear, channel_scales
+from kernels.quant_linear_config import GEMV_MAX_M
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class Fp8Linear(ChannelScaledLinear):
         if self.mode is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda and rows.shape[0] <= GEMV_MAX_M:
+            return ops.int8_linear(x, self.qweight, self.scales, self.bias)
         if self.mode == "rowwise" and x.dtype == torch.bfloat16:
             out = self._rowwise(rows)
         else:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import kernels as ops
+from kernels import int4_tinygemm as tinygemm
 from kernels.reference import dequantize_int4, pack_int4
 
 INT4_MAX = 15
@@ -49,12 +50,21 @@ class Int4Linear(nn.Module):
         self.scales = nn.Parameter(scales.float(), requires_grad=False)
         self.zeros = nn.Parameter(zeros, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # tinygemm's copy of the weight for decode on a GPU (prepare_for_decode); None elsewhere
+        self.tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int | None = None
                     ) -> "Int4Linear":
         group_size = group_size or int4_group_size(weight.shape[1])
-        return cls(*quantize_int4(weight, group_size), group_size, bias)
+        linear = cls(*quantize_int4(weight, group_size), group_size, bias)
+        linear.prepare_for_decode()
+        return linear
+
+    def prepare_for_decode(self) -> None:
+        """On a GPU, repacks the weight for tinygemm (once its values are final: after loading a checkpoint)."""
+        if self.qweight.is_cuda and tinygemm.tinygemm_fits(self.out_features, self.in_features, self.group_size):
+            self.tinygemm = tinygemm.pack_for_tinygemm(self.qweight, self.scales, self.zeros)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, group_size: int, bias: torch.Tensor | None,
@@ -84,4 +94,6 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tinygemm is not None and x.dtype == torch.bfloat16 and x.numel() <= tinygemm.MAX_ROWS * x.shape[-1]:
+            return tinygemm.tinygemm_linear(x, *self.tinygemm, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)

@@ -95,6 +95,9 @@ def load_weights(model: nn.Module, loaded, config) -> None:
                              f"leave quantization unset or set it to 'int4', not {method!r}")
         prepare_int4_checkpoint_(model, checkpoint)
         model.load_weights(repack_checkpoint(loaded.weights, checkpoint))
+        for module in model.modules():
+            if isinstance(module, Int4Linear):
+                module.prepare_for_decode()
     else:
         model.load_weights(loaded.weights)
         if method is not None:

@@ -96,6 +96,9 @@ def test_quant_linears_gpu_bf16(n: int, k: int, m: int) -> None:
     q4, s4, z4 = random_int4(n, k, 128, torch.device("cuda"))
     ref4 = reference.int4_linear(x.float(), q4, s4, z4, 128, None)
     assert rel_err(kernels.int4_linear(x, q4, s4, z4, 128, None), ref4) < tolerance(torch.bfloat16)
+    q_fp8 = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref_fp8 = reference.int8_linear(x.float(), q_fp8, s8, None)  # the same kernels read fp8 weights
+    assert rel_err(kernels.int8_linear(x, q_fp8, s8, None), ref_fp8) < tolerance(torch.bfloat16)
 
 
 @pytest.mark.gpu
