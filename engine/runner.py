@@ -166,7 +166,7 @@ class ModelRunner:
                        if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
         if graphs is not None:
             hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
-                                meta.block_tables)
+                                meta.block_tables, host.max_seq_len)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
         if not logits_indices:

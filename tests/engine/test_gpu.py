@@ -14,11 +14,14 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_float32_greedy_equals_cpu(tiny_llama_dir):
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 40, 71, 5, 33)]
+    # 250 + 48 tokens cross from the 256-token context bucket's graphs to the full-width ones mid-sequence
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 40, 71, 5, 33, 250)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     cpu = LLM(tiny_llama_dir, device="cpu", dtype="float32", num_kv_blocks=128)
     cuda = LLM(tiny_llama_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32)
-    assert cuda.engine.runner.graphs is not None  # decode steps replay CUDA graphs
+    graphs = cuda.engine.runner.graphs
+    assert graphs is not None  # decode steps replay CUDA graphs
+    assert graphs.buckets == [16, 32] and (8, 16) in graphs.graphs and (16, 16) not in graphs.graphs
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in cuda.generate(prompts, params)]
     assert got == expected
