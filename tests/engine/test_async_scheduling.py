@@ -84,3 +84,12 @@ def test_no_step_is_spent_past_max_tokens(tiny_llama_dir):
 def test_speculative_decoding_steps_synchronously(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert not llm.engine.overlap
+
+
+def test_context_buckets_of_decode_graphs():
+    from engine.cuda_graphs import context_buckets
+
+    assert context_buckets(256, 16) == [16, 32, 64, 128, 256]  # 4k context: 256, 512, 1k, 2k tokens, full
+    assert context_buckets(32, 16) == [16, 32]
+    assert context_buckets(10, 16) == [10]  # shorter than the first bucket: the full width only
+    assert context_buckets(17, 16) == [16, 17]

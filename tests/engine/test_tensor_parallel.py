@@ -20,6 +20,7 @@ CASES = {
 def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
     engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=24,
                                     num_kv_blocks=64, block_size=16, **quantized))
+    assert engine.overlap  # async steps: at TP > 1 rank 1 gets each pending input token by broadcast
     try:
         outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
         assert engine.kv.num_used_blocks == 0
