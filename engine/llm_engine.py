@@ -182,13 +182,14 @@ class LLMEngine:
         self.metrics.num_preemptions += len(batch.preempted)
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
-        previous, self.in_flight = self.in_flight, None
+        previous = self.in_flight
         if batch.seqs:
             self._count_prompt_tokens(batch)
             logits, sampled_seqs = self.runner.forward_logits(batch, previous)
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += num_new
             self.metrics.num_steps += 1
+        self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         touched: dict[str, RequestState] = {}
         if previous is not None:
             self._accept(self._read_in_flight(previous), touched)

@@ -93,3 +93,34 @@ def test_context_buckets_of_decode_graphs():
     assert context_buckets(32, 16) == [16, 32]
     assert context_buckets(10, 16) == [10]  # shorter than the first bucket: the full width only
     assert context_buckets(17, 16) == [16, 17]
+
+
+def test_a_step_that_fails_to_launch_keeps_the_tokens_in_flight(tiny_llama_dir):
+    batch = prompts(3, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, async_scheduling=False).generate(batch, params)]
+    engine = LLM(tiny_llama_dir).engine
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, params, stream=False)
+    engine.step()
+    engine.step()
+    assert engine.in_flight is not None
+    original = engine.runner.forward_logits
+
+    def fail_once(*args):
+        engine.runner.forward_logits = original
+        raise RuntimeError("injected: the forward pass failed to launch")
+
+    engine.runner.forward_logits = fail_once
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    else:
+        raise AssertionError("the injected failure did not surface")
+    assert engine.in_flight is not None  # the pending tokens can still be read
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [done[str(i)] for i in range(3)] == expected
+    assert engine.kv.num_used_blocks == 0
