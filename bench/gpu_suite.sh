@@ -39,6 +39,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
 step gpu_tests 210 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
   -p no:cacheprovider
 step decode_8b 70 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda --json "$RESULTS/decode_8b.json"
+step overlap_8b 60 "$PY" -m bench.overlap_profile --model random:llama-8b --device cuda --json "$RESULTS/overlap_8b.json"
 step quantization_8b 130 "$PY" -m bench.quantization_speed --model random:llama-8b --device cuda --output-len 128 \
   --json "$RESULTS/quantization_8b.json"
 if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
@@ -82,7 +83,7 @@ for k, v in r.items():
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
-        "nccl_graph_us", "symmetric_graph_us")
+        "nccl_graph_us", "symmetric_graph_us", "wall_ms_per_step", "kernel_ms_per_step")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
 print("  ".join(f"{k.split('.')[-1]}={fmt(flat[k])}" for k in keys if k in flat))
 PYEOF
