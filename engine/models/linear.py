@@ -34,11 +34,15 @@ class Linear(nn.Module):
 
     def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
-        dim = self.shard_dim
-        if dim is None or self.tp.size == 1 or (is_bias and dim == 1):
-            return tensor
-        size = tensor.shape[dim] // self.tp.size
-        return tensor.narrow(dim, self.tp.rank * size, size)
+        return shard_tensor(tensor, self.shard_dim, self.tp, is_bias)
+
+
+def shard_tensor(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, is_bias: bool = False) -> torch.Tensor:
+    """tp.rank's slice along dim (0: column-parallel, 1: row-parallel, whose bias every rank keeps whole)."""
+    if dim is None or tp.size == 1 or (is_bias and dim == 1):
+        return tensor
+    size = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * size, size)
 
 
 class ColumnParallelLinear(Linear):

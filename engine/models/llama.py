@@ -180,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
 
         def sharded(module_name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
             module = self.get_submodule(module_name)
-            return module.shard_of(tensor, is_bias=kind == "bias") if isinstance(module, Linear) else tensor
+            module = getattr(module, "inner", module)  # a row-parallel quantized layer wraps its int4 linear
+            return module.shard_of(tensor, is_bias=kind == "bias") if hasattr(module, "shard_of") else tensor
 
         for hf_name, tensor in weights:
             if hf_name == "model.embed_tokens.weight":
@@ -202,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
                     put(prefix + renamed[rest], tensor)
                 elif prefix + rest in params:
                     put(prefix + rest, sharded(prefix + module, tensor, kind))
+                elif f"{prefix}{module}.inner.{kind}" in params:
+                    put(f"{prefix}{module}.inner.{kind}", sharded(prefix + module, tensor, kind))
         missing = [name for name, size in expected.items() if filled.get(name, 0) != size]
         if missing:
             raise ValueError(f"weights: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

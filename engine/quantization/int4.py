@@ -11,6 +11,8 @@ from torch import nn
 
 import kernels as ops
 from kernels import int4_tinygemm as tinygemm
+from engine.distributed.parallel_state import SINGLE
+from engine.models.linear import shard_tensor
 from kernels.reference import dequantize_int4, pack_int4
 
 INT4_MAX = 15
@@ -52,6 +54,9 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # tinygemm's copy of the weight for decode on a GPU (prepare_for_decode); None elsewhere
         self.tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
+        # under tensor parallelism, the slice of a checkpoint's tensors this rank loads (see shard_of)
+        self.tp = SINGLE
+        self.shard_dim: int | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int | None = None
@@ -81,6 +86,11 @@ class Int4Linear(nn.Module):
             group_size,
             bias,
         )
+
+    def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
+        """This rank's slice of a checkpoint's qweight / scales / zeros / bias: along the output channels
+        (column-parallel), or along K (row-parallel: qweight's words and scales' groups both run along K)."""
+        return shard_tensor(tensor, self.shard_dim, self.tp, is_bias)
 
     @property
     def in_features(self) -> int:

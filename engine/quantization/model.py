@@ -75,9 +75,19 @@ def quantize_model_(model: nn.Module, method: str) -> int:
 
 
 def prepare_int4_checkpoint_(model: nn.Module, quant: CheckpointQuantization) -> None:
-    """Empty Int4Linears in place of the Linears, for load_weights to fill from a repacked checkpoint."""
-    replace_linears_(model, lambda linear: Int4Linear.empty(
-        linear.weight.shape[1], linear.weight.shape[0], quant.group_size, linear.bias, linear.weight.device))
+    """Empty Int4Linears in place of the Linears (this rank's shard of each), for load_weights to fill from a
+    repacked checkpoint."""
+    def empty_like(linear: Linear) -> Int4Linear:
+        out_features, in_features = linear.weight.shape
+        if in_features % quant.group_size:
+            raise ValueError(f"quantization_config.group_size: {quant.group_size} does not divide the "
+                             f"{in_features} input features of a linear layer's shard at tensor_parallel_size "
+                             f"{linear.tp.size}")
+        int4 = Int4Linear.empty(in_features, out_features, quant.group_size, linear.bias, linear.weight.device)
+        int4.tp, int4.shard_dim = linear.tp, linear.shard_dim
+        return int4
+
+    replace_linears_(model, empty_like)
 
 
 def load_weights(model: nn.Module, loaded, config) -> None:
@@ -85,9 +95,6 @@ def load_weights(model: nn.Module, loaded, config) -> None:
     `loaded` is engine.loader.LoadedModel; its `quantization` is the checkpoint's own, if any."""
     checkpoint: CheckpointQuantization | None = getattr(loaded, "quantization", None)
     method = config.quantization
-    if config.tensor_parallel_size > 1 and checkpoint is not None:
-        raise ValueError(f"quantization: {checkpoint.method.upper()} checkpoints are not supported with "
-                         "tensor_parallel_size > 1 yet (quantizing a float checkpoint on the fly is)")
     check_kv_cache_dtype(config.kv_cache_dtype, model.norm.device)
     if checkpoint is not None:
         if method not in (None, "int4"):

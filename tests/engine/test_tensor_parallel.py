@@ -81,3 +81,31 @@ def test_workers_leave_when_the_engine_closes(tmp_path):
     engine.close()
     assert not any(p.is_alive() for p in processes)
     assert all(p.exitcode == 0 for p in processes)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_shards_match_one_process(method, tmp_path, monkeypatch):
+    """Each rank loads its slice of an AWQ / GPTQ checkpoint: output channels of the column-parallel layers,
+    whole K groups of the row-parallel ones. The int4 values dequantize exactly, so two ranks equal one."""
+    from tests.engine import test_quantized_checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "GROUP", 64)  # o_proj's 128 inputs split into two shards of one group
+    qdir, _, _ = checkpoints.write_checkpoints(tmp_path, method)
+    gen = torch.Generator().manual_seed(4)
+    prompts = {"a": torch.randint(0, 96, (33,), generator=gen).tolist(),
+               "b": torch.randint(0, 96, (6,), generator=gen).tolist()}
+    single_out, single_logits = _run(qdir, 1, prompts)
+    split_out, split_logits = _run(qdir, 2, prompts)
+    for rid in prompts:
+        assert split_out[rid].outputs[0].token_ids == single_out[rid].outputs[0].token_ids
+        for (n1, one), (n2, two) in zip(single_logits[rid], split_logits[rid]):
+            assert n1 == n2
+            torch.testing.assert_close(two, one, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_groups_that_straddle_shards_are_refused(tmp_path):
+    from tests.engine.test_quantized_checkpoints import write_checkpoints
+
+    qdir, _, _ = write_checkpoints(tmp_path, "awq")  # groups of 128: o_proj's half of 128 inputs is 64
+    with pytest.raises(ValueError, match="quantization_config.group_size: 128 does not divide the 64 input"):
+        LLMEngine(EngineConfig(model=qdir, device="cpu", tensor_parallel_size=2, num_kv_blocks=8))
