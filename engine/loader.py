@@ -8,12 +8,13 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig, parameter_shapes, token_id_tuple
-from engine.quantization.checkpoint import CheckpointQuantization, checkpoint_shapes, read_checkpoint_quantization
+from engine.quantization.checkpoint import CheckpointQuantization, checkpoint_shapes, parse_quantization_config
 from engine.random_models import random_model_config, random_weights
 from engine.tokenizer import Tokenizer
 
@@ -64,8 +65,7 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
         config = random_model_config(resolved[len(_RANDOM_PREFIX):])
         weights = random_weights(config, device, dtype)
     elif os.path.isdir(resolved):
-        quantization = read_checkpoint_quantization(resolved)
-        config, weights = _load_directory(resolved, device, dtype, quantization)
+        config, weights, quantization = _load_directory(resolved, device, dtype)
     else:
         from engine.gguf_loader import load_gguf
 
@@ -99,10 +99,14 @@ def _resolve_package(package: str) -> str:
     raise ValueError(f"pkg:{package}: {folder} holds no config.json model directory or .gguf file")
 
 
-def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype,
-                    quantization: CheckpointQuantization | None = None
-                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    config = _read_config(path)
+def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], CheckpointQuantization | None]:
+    """The config, the weights and, for an AWQ / GPTQ checkpoint, its quantization_config, from one read of
+    config.json."""
+    data = _read_json(os.path.join(path, "config.json"), "config")
+    raw_quantization = data.get("quantization_config") if isinstance(data, dict) else None
+    quantization = None if raw_quantization is None else parse_quantization_config(raw_quantization)
+    config = _model_config(path, data)
     files = _safetensors_files(path)
     names_by_file: dict[str, list[str]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -123,7 +127,7 @@ def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype,
             raise ValueError(f"{path}: checkpoint lacks tensor {name}")
         if shapes[name] != shape:
             raise ValueError(f"{path}: tensor {name} has shape {shapes[name]}, the config expects {shape}")
-    return config, _iter_safetensors(names_by_file, device, dtype)
+    return config, _iter_safetensors(names_by_file, device, dtype), quantization
 
 
 def _iter_safetensors(names_by_file: dict[str, list[str]], device: torch.device | str, dtype: torch.dtype
@@ -138,13 +142,16 @@ def _iter_safetensors(names_by_file: dict[str, list[str]], device: torch.device 
             raise ValueError(f"{file}: cannot read tensors: {e}") from e
 
 
-def _read_config(path: str) -> ModelConfig:
-    file = os.path.join(path, "config.json")
+def _read_json(file: str, what: str) -> Any:
     try:
         with open(file, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: unreadable config: {e}") from e
+        raise ValueError(f"{file}: unreadable {what}: {e}") from e
+
+
+def _model_config(path: str, data: Any) -> ModelConfig:
+    file = os.path.join(path, "config.json")
     try:
         config = ModelConfig.from_hf_dict(data)
     except ValueError as e:
@@ -160,11 +167,10 @@ def _generation_eos_ids(path: str) -> tuple[int, ...]:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return ()
+    data = _read_json(file, "generation config")
     try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
         return token_id_tuple(data.get("eos_token_id")) if isinstance(data, dict) else ()
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"{file}: unreadable generation config: {e}") from e
 
 

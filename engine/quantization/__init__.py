@@ -1,6 +1,6 @@
 """Weight quantization (int8, int4, fp8; AWQ / GPTQ checkpoints) and quantized KV caches (fp8, int8)."""
 
-from engine.quantization.checkpoint import CheckpointQuantization, read_checkpoint_quantization
+from engine.quantization.checkpoint import CheckpointQuantization
 from engine.quantization.fp8 import Fp8Linear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int8 import Int8Linear
@@ -15,5 +15,4 @@ __all__ = [
     "kv_cache_torch_dtype",
     "load_weights",
     "quantize_model_",
-    "read_checkpoint_quantization",
 ]

@@ -14,8 +14,6 @@ Both formats quantize W[n, k] = (q - z) * s in groups of group_size input channe
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,18 +74,6 @@ def parse_quantization_config(config: Any) -> CheckpointQuantization:
             raise ValueError(f"quantization_config.checkpoint_format: {fmt!r} is not supported (gptq, gptq_v2)")
         zero_offset = 1 if fmt == "gptq" else 0
     return CheckpointQuantization(method, group_size, zero_offset)
-
-
-def read_checkpoint_quantization(model_dir: str) -> CheckpointQuantization | None:
-    """The quantization_config of a model directory's config.json, or None for a float checkpoint."""
-    file = os.path.join(model_dir, "config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: unreadable config: {e}") from e
-    config = data.get("quantization_config") if isinstance(data, dict) else None
-    return None if config is None else parse_quantization_config(config)
 
 
 def is_quantized_linear(name: str) -> bool:
