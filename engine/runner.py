@@ -194,11 +194,6 @@ class ModelRunner:
             gc.collect()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        logits, seqs = self.forward_logits(batch)
-        return self.sample(logits, seqs)
-
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """The next tokens of each caught-up sequence: one, or for one that speculates its kept drafts and one more."""
         if any(seq.spec_token_ids for seq in seqs):
