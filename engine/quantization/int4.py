@@ -75,9 +75,11 @@ class Int4Linear(nn.Module):
     def empty(cls, in_features: int, out_features: int, group_size: int, bias: torch.Tensor | None,
               device: torch.device) -> "Int4Linear":
         """Uninitialised, to be filled by load_weights from a pre-quantized (AWQ / GPTQ) checkpoint."""
-        if in_features % group_size or group_size % 8:
-            raise ValueError(f"quantization_config.group_size: {group_size} must be a multiple of 8 dividing "
-                             f"in_features {in_features}")
+        if group_size % 8:
+            raise ValueError(f"quantization_config.group_size: {group_size} must be a multiple of 8")
+        if in_features % group_size:
+            raise ValueError(f"quantization_config.group_size: {group_size} does not divide the {in_features} input "
+                             "features of a linear layer (of this rank's shard, under tensor parallelism)")
         groups = in_features // group_size
         return cls(
             torch.empty(out_features, in_features // 8, dtype=torch.int32, device=device),

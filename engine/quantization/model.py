@@ -79,10 +79,6 @@ def prepare_int4_checkpoint_(model: nn.Module, quant: CheckpointQuantization) ->
     repacked checkpoint."""
     def empty_like(linear: Linear) -> Int4Linear:
         out_features, in_features = linear.weight.shape
-        if in_features % quant.group_size:
-            raise ValueError(f"quantization_config.group_size: {quant.group_size} does not divide the "
-                             f"{in_features} input features of a linear layer's shard at tensor_parallel_size "
-                             f"{linear.tp.size}")
         int4 = Int4Linear.empty(in_features, out_features, quant.group_size, linear.bias, linear.weight.device)
         int4.tp, int4.shard_dim = linear.tp, linear.shard_dim
         return int4
