@@ -33,6 +33,7 @@ from engine import LLM
 from engine.models.attention_metadata import AttentionMetadata
 from engine.quantization import kv_cache_torch_dtype, quantize_model_
 from engine.quantization.kv_cache import calibrate_kv_cache_
+from kernels.kv_layout import new_kv_cache
 
 WEIGHT_MODES = ("int8", "int4", "fp8")
 KV_MODES = ("kv_fp8", "kv_int8")
@@ -82,8 +83,7 @@ def position_logits(model: torch.nn.Module, prompts: list[list[int]], kv_dtype: 
     pages = [-(-len(ids) // BLOCK_SIZE) for ids in prompts]
     attn = model.layers[0].self_attn
     shape = (sum(pages), BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-              for _ in model.layers]
+    caches = [(new_kv_cache(*shape, kv_dtype, device), new_kv_cache(*shape, kv_dtype, device)) for _ in model.layers]
     tables = torch.zeros(len(prompts), max(pages), dtype=torch.int32)
     slots, positions, starts = [], [], [0]
     first_page = 0

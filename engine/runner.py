@@ -26,6 +26,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.transfer import to_device
+from kernels.kv_layout import new_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ModelRunner:
         self.num_blocks = tp.min_over_ranks(self._choose_num_blocks())
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, device=device, dtype=self.kv_dtype), torch.zeros(shape, device=device, dtype=self.kv_dtype))
+            (new_kv_cache(*shape, self.kv_dtype, device), new_kv_cache(*shape, self.kv_dtype, device))
             for _ in range(model_config.num_hidden_layers)
         ]
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -114,7 +115,7 @@ class ModelRunner:
         blocks = -(-num_tokens // self.block_size)
         cfg = self.model_config
         shape = (blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, device=self.device, dtype=self.dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
+        caches = [(new_kv_cache(*shape, self.dtype, self.device),) * 2 for _ in range(cfg.num_hidden_layers)]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32).unsqueeze(0),

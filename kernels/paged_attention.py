@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import attend_tile
 from kernels.reference import check_kv_scales
 
 LOG2E = math.log2(math.e)
@@ -27,10 +28,10 @@ class DecodeConfig:
     """Launch parameters. num_splits=None picks the split count from the shapes."""
 
     block_n: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
     num_splits: int | None = None
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2
     min_split_tokens: int = 256
     max_splits: int = 64
 
@@ -72,8 +73,9 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # KV heads vary fastest: the heads of one sequence run together and read neighbouring pages.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     if KV_QUANT:
         qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
@@ -96,34 +98,22 @@ def _decode_split_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + offs_n
-        valid = tokens < end
-        page = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = tokens % BLOCK_SIZE
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for tile in range(start, full_end, BLOCK_N):
+        m, l, acc = attend_tile(
+            q, m, l, acc, k_head, v_head, table, tile, rows, end, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, KV_QUANT,
+        )
+    if full_end < end:
+        m, l, acc = attend_tile(
+            q, m, l, acc, k_head, v_head, table, full_end, rows, end, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, KV_QUANT,
+        )
 
     if HEAD_DIM == HEAD_DIM_PAD:
         o_mask = row_mask[:, None]
@@ -258,7 +248,7 @@ def decode_attention(
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,

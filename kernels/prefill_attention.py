@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import attend_tile
 from kernels.paged_attention import check_paged_inputs, kv_scale_args
 
 LOG2E = math.log2(math.e)
@@ -28,68 +29,6 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    m,
-    l,
-    acc,
-    k_head,
-    v_head,
-    table,
-    tile,
-    q_pos,
-    kv_end,
-    qk_scale,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    dims,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr,
-):
-    kv_pos = tile + tl.arange(0, BLOCK_N)
-    slot = kv_pos % BLOCK_SIZE
-    if CAUSAL_MASK:
-        in_range = kv_pos < kv_end
-        page = tl.load(table + kv_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    else:
-        page = tl.load(table + kv_pos // BLOCK_SIZE).to(tl.int64)
-    k_ptrs = k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :]
-    if CAUSAL_MASK:
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = in_range[:, None]
-        else:
-            kv_mask = in_range[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif HEAD_DIM == HEAD_DIM_PAD:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    if KV_QUANT:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if CAUSAL_MASK:
-        s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l, acc
 
 
 # Values that change from step to step are not specialised on: each new specialisation would compile
@@ -170,16 +109,16 @@ def _prefill_kernel(
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix + tl.minimum((local_tile + 1) * BLOCK_M, q_len)
     for tile in range(0, unmasked_end, BLOCK_N):
-        m, l, acc = _attend_tile(
+        m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, dims,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QUANT,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, KV_QUANT,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
-        m, l, acc = _attend_tile(
+        m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs, dims,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QUANT,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION, KV_QUANT,
         )
 
     out = acc / l[:, None]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.models.attention_metadata import AttentionMetadata
+from kernels.kv_layout import new_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ def measure_kv_amax(model: nn.Module, token_ids: list[int], block_size: int) -> 
     n = len(token_ids)
     blocks = -(-n // block_size)
     shape = (blocks, block_size, num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-              for _ in model.layers]
+    caches = [(new_kv_cache(*shape, dtype, device), new_kv_cache(*shape, dtype, device)) for _ in model.layers]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, device=device),
         block_tables=torch.arange(blocks, device=device, dtype=torch.int32).unsqueeze(0),

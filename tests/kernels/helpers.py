@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_layout import new_kv_cache
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.float()
@@ -57,9 +59,11 @@ def random_paged_kv(
     device: torch.device,
     spare_blocks: int = 3,
     spare_columns: int = 1,
+    head_major: bool = True,
 ) -> PagedKV:
     """A paged cache holding len(seq_lens) sequences in randomly permuted blocks, plus unused blocks
-    filled with huge values so that reading a wrong page spoils the result."""
+    filled with huge values so that reading a wrong page spoils the result. head_major=False stores it
+    contiguously as [num_blocks, block_size, G, D] instead of the engine's layout."""
     pages = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(pages) + spare_blocks
     perm = torch.randperm(num_blocks, dtype=torch.int32)
@@ -70,8 +74,12 @@ def random_paged_kv(
         tables[i, :n] = perm[used : used + n]
         used += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=torch.float32)
-    v_cache = torch.randn(shape, dtype=torch.float32)
+    if head_major:  # the engine's layout (kernels/kv_layout.py)
+        k_cache = new_kv_cache(*shape, torch.float32, "cpu").normal_()
+        v_cache = new_kv_cache(*shape, torch.float32, "cpu").normal_()
+    else:
+        k_cache = torch.randn(shape, dtype=torch.float32)
+        v_cache = torch.randn(shape, dtype=torch.float32)
     unused = perm[used:].long()
     k_cache[unused] = 1e4
     v_cache[unused] = 1e4

@@ -2,14 +2,22 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.kv_layout import new_kv_cache
 
 pytest.importorskip("triton")
 from kernels.cache_ops import store_kv_cache  # noqa: E402
 
 
 def run_both(key: torch.Tensor, value: torch.Tensor, cache_shape: tuple[int, ...], cache_dtype: torch.dtype, slots: torch.Tensor) -> None:
-    k_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype, device=key.device)
-    v_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype, device=key.device)
+    """The kernel against the reference, into the engine's head-major cache and into a contiguous one."""
+    for k_cache, v_cache in (
+        (new_kv_cache(*cache_shape, cache_dtype, key.device), new_kv_cache(*cache_shape, cache_dtype, key.device)),
+        (torch.empty(cache_shape, dtype=cache_dtype, device=key.device), torch.empty(cache_shape, dtype=cache_dtype, device=key.device)),
+    ):
+        compare_stores(key, value, k_cache.fill_(float("nan")), v_cache.fill_(float("nan")), slots)
+
+
+def compare_stores(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv_cache(key, value, k_cache, v_cache, slots)
     reference.store_kv_cache(key, value, k_ref, v_ref, slots)

@@ -19,6 +19,7 @@ SMALL = DecodeConfig(block_n=16)
         ([33, 9], 2, 4, 16, 8, 5),
         ([70], 1, 2, 32, 16, 8),
         ([20, 5, 31], 2, 3, 24, 16, 2),
+        ([50, 13, 2], 2, 2, 32, 24, 2),  # pages that do not divide a tile: page ids read per token
     ],
 )
 def test_decode_attention(
@@ -38,6 +39,17 @@ def test_decode_attention(
         out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale, config=config)
     ref = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     assert out.shape == q.shape
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_decode_attention_contiguous_cache(device: torch.device) -> None:
+    """The kernel follows the cache's strides: a plain [num_blocks, block_size, G, D] tensor works too."""
+    kv = random_paged_kv([40, 7, 33], 2, 32, 8, torch.float32, device, head_major=False)
+    assert kv.k_cache.is_contiguous()
+    q = torch.randn(3, 4, 32, device=device)
+    with poisoned_outputs():
+        out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, config=SMALL)
+    ref = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3)
     assert rel_err(out, ref) < 1e-3
 
 

@@ -22,6 +22,7 @@ def start_locs(query_lens: list[int], device: torch.device) -> torch.Tensor:
         ([50, 33], [31, 15], 3, 1, 64, 8, PrefillConfig(block_m=32, block_n=16)),
         ([38, 7, 26], [5, 7, 26], 2, 3, 24, 16, PrefillConfig(block_m=16, block_n=16)),
         ([100, 1, 45], [70, 1, 13], 2, 2, 32, 16, None),
+        ([60, 20], [30, 20], 2, 2, 16, 24, PrefillConfig(block_m=16, block_n=16)),  # page ids read per token
     ],
 )
 def test_paged_attention(
