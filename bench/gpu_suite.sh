@@ -35,7 +35,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 WORKLOAD=(--min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --seed 0)
 
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
-step gpu_tests 210 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
+step gpu_tests 270 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
   -p no:cacheprovider
 # The GPU path's four measurements first (issue 3), then quantization, speculative decoding and tensor parallelism.
 step decode_8b 70 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda --json "$RESULTS/decode_8b.json"

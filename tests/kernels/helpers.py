@@ -74,23 +74,24 @@ def random_paged_kv(
         tables[i, :n] = perm[used : used + n]
         used += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Drawn where the kernels run: a GPU-sized cache filled on the CPU takes seconds.
     if head_major:  # the engine's layout (kernels/kv_layout.py)
-        k_cache = new_kv_cache(*shape, torch.float32, "cpu").normal_()
-        v_cache = new_kv_cache(*shape, torch.float32, "cpu").normal_()
+        k_cache = new_kv_cache(*shape, torch.float32, device).normal_()
+        v_cache = new_kv_cache(*shape, torch.float32, device).normal_()
     else:
-        k_cache = torch.randn(shape, dtype=torch.float32)
-        v_cache = torch.randn(shape, dtype=torch.float32)
-    unused = perm[used:].long()
+        k_cache = torch.randn(shape, dtype=torch.float32, device=device)
+        v_cache = torch.randn(shape, dtype=torch.float32, device=device)
+    unused = perm[used:].long().to(device)
     k_cache[unused] = 1e4
     v_cache[unused] = 1e4
     for i, n in enumerate(seq_lens):
         if n % block_size:
-            last = tables[i, pages[i] - 1].long()
+            last = int(tables[i, pages[i] - 1])
             k_cache[last, n % block_size :] = 1e4
             v_cache[last, n % block_size :] = 1e4
     return PagedKV(
-        k_cache.to(dtype=dtype, device=device),
-        v_cache.to(dtype=dtype, device=device),
+        k_cache.to(dtype),
+        v_cache.to(dtype),
         tables.to(device),
         torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
