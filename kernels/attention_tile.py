@@ -1,5 +1,6 @@
 """One key/value tile of online-softmax attention over the paged cache, shared by the decode and
 prefill kernels: reads BLOCK_N cached tokens from position `tile` on, folds them into (m, l, acc).
+K and V share one layout (check_paged_inputs), so one set of offsets addresses both.
 
 When BLOCK_SIZE divides BLOCK_N (tiles then start on page boundaries), the tile's page ids are read
 once per page rather than once per token. MASKED drops tokens at or past kv_end; CAUSAL also drops
@@ -25,10 +26,8 @@ def attend_tile(
     q_pos,
     kv_end,
     qk_scale,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
+    stride_b,
+    stride_s,
     dims,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -50,13 +49,16 @@ def attend_tile(
         else:
             pages = tl.load(table + page_idx)
         page = tl.reshape(tl.broadcast_to(pages[:, None], [PAGES, BLOCK_SIZE]), [BLOCK_N]).to(tl.int64)
-    elif MASKED:
-        page = tl.load(table + kv_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
     else:
-        page = tl.load(table + kv_pos // BLOCK_SIZE).to(tl.int64)
-    slot = kv_pos % BLOCK_SIZE
-    k_ptrs = k_head + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :]
+        if MASKED:
+            page = tl.load(table + kv_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        else:
+            page = tl.load(table + kv_pos // BLOCK_SIZE).to(tl.int64)
+        slot = kv_pos % BLOCK_SIZE
+    offsets = page[:, None] * stride_b + slot[:, None] * stride_s + dims[None, :]
+    k_ptrs = k_head + offsets
+    v_ptrs = v_head + offsets
     if MASKED:
         if HEAD_DIM == HEAD_DIM_PAD:
             kv_mask = in_range[:, None]

@@ -56,9 +56,6 @@ def _decode_split_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -96,7 +93,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
 
     k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
+    v_head = v_cache_ptr + kv_head * stride_kh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -105,13 +102,13 @@ def _decode_split_kernel(
     for tile in range(start, full_end, BLOCK_N):
         m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, rows, end, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            stride_kb, stride_ks, dims,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, KV_QUANT,
         )
     if full_end < end:
         m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, full_end, rows, end, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            stride_kb, stride_ks, dims,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, KV_QUANT,
         )
 
@@ -185,6 +182,8 @@ def check_paged_inputs(
         raise ValueError("q [N, H, D] and caches [num_blocks, block_size, G, D] need matching D and H % G == 0")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV caches must be contiguous in the head dimension")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches must share one layout (equal strides)")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
@@ -267,9 +266,6 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

@@ -50,9 +50,6 @@ def _prefill_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -98,7 +95,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_mask, other=0.0)
 
     k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
+    v_head = v_cache_ptr + kv_head * stride_kh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -111,13 +108,13 @@ def _prefill_kernel(
     for tile in range(0, unmasked_end, BLOCK_N):
         m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            stride_kb, stride_ks, dims,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, KV_QUANT,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         m, l, acc = attend_tile(
             q, m, l, acc, k_head, v_head, table, tile, q_pos, kv_end, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs, dims,
+            stride_kb, stride_ks, dims,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION, KV_QUANT,
         )
 
@@ -173,9 +170,6 @@ def paged_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

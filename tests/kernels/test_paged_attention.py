@@ -53,6 +53,13 @@ def test_decode_attention_contiguous_cache(device: torch.device) -> None:
     assert rel_err(out, ref) < 1e-3
 
 
+def test_k_and_v_caches_must_share_a_layout(device: torch.device) -> None:
+    kv = random_paged_kv([9], 2, 16, 8, torch.float32, device)
+    q = torch.randn(1, 4, 16, device=device)
+    with pytest.raises(ValueError, match="share one layout"):
+        decode_attention(q, kv.k_cache, kv.v_cache.contiguous(), kv.block_tables, kv.seq_lens, 0.25)
+
+
 def test_decode_attention_default_config(device: torch.device) -> None:
     kv = random_paged_kv([3, 600, 130], 2, 32, 16, torch.float32, device)
     q = torch.randn(3, 4, 32, device=device)
