@@ -17,6 +17,7 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference as _ref
 
@@ -25,6 +26,7 @@ __all__ = [
     "decode_attention",
     "int4_linear",
     "int8_linear",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
@@ -58,6 +60,8 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
                 ("decode", "paged_attention"),
+                ("gemv", "gemv"),
+                ("gemv_configs", "gemv_configs"),
                 ("int4_matmul", "int4_matmul"),
                 ("int8_matmul", "int8_matmul"),
                 ("prefill", "prefill_attention"),
@@ -161,6 +165,18 @@ def decode_attention(
     if ops := _triton_for(q):
         return ops.decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)
     return _ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias. One row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the
+    decode GEMV, which reads the weight faster than cuBLAS does at M = 1; everything else is F.linear."""
+    if x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES and weight.stride(-1) == 1 and (ops := _triton_for(x)):
+        n, k = weight.shape
+        return ops.gemv.gemv(x, weight, None, bias, config=ops.gemv_configs.gemv_config(n, k, 1, weight.dtype))
+    return F.linear(x, weight, bias)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

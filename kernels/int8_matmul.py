@@ -9,42 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import gemv as gemv_rows
+from kernels.gemv_configs import gemv_config
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
-from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
+from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
 from kernels.reference import dequantize_int8
-
-
-@triton.jit
-def _int8_gemv_kernel(
-    x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    m = tl.program_id(0)  # rows vary fastest: the programs of one weight tile run together
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    cols = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-_int8_gemv_autotuned = autotuned_gemv(
-    _int8_gemv_kernel, [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4), (4, 2048, 8)]
-)
 
 
 @triton.jit
@@ -80,7 +49,7 @@ def _int8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_INT8_KERNELS = QuantLinearKernels(gemv=_int8_gemv_kernel, gemv_autotuned=_int8_gemv_autotuned, gemm=_int8_gemm_kernel)
+_INT8_KERNELS = QuantLinearKernels(gemv=None, gemv_autotuned=None, gemm=_int8_gemm_kernel)  # GEMV: kernels/gemv.py
 
 
 def int8_linear(
@@ -95,12 +64,15 @@ def int8_linear(
     max_gemm_m: int = GEMM_MAX_M,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight [N, K] int8 or float8_e4m3fn, scales [N] float32)^T + bias -> [..., N].
-    Without configs, the GEMV is autotuned on CUDA per (N, K)."""
+    Without a GEMV config, the one kernels/gemv_configs.py gives for the shape."""
     n, k = qweight.shape
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
+    m = x.numel() // k
+    if 0 < m <= max_gemv_m:
+        return gemv_rows(x, qweight, scales, bias, config=gemv or gemv_config(n, k, m, qweight.dtype))
     return launch_quant_linear(
         _INT8_KERNELS, x, (qweight, scales), (qweight.stride(0),), n, bias,
         lambda dtype: dequantize_int8(qweight, scales, dtype), {},
-        gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
+        gemm=gemm, max_gemv_m=0, max_gemm_m=max_gemm_m,
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-# M <= GEMV_MAX_M: one program per (row, BLOCK_N outputs), plain FMAs (decode; the weight is read
+# M <= GEMV_MAX_M: one program per (row, BLOCK_N outputs), plain FMAs (kernels/gemv.py for int8 / fp8) (decode; the weight is read
 # once from DRAM, the other rows' programs run next to it and hit L2).
 GEMV_MAX_M = 8
 # GEMV_MAX_M < M <= GEMM_MAX_M: tensor-core GEMM that dequantizes weight tiles in registers.
@@ -20,6 +20,7 @@ class GemvConfig:
     block_n: int = 4
     block_k: int = 512
     num_warps: int = 4
+    num_stages: int = 1
 
 
 @dataclass(frozen=True)

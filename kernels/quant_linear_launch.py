@@ -81,7 +81,7 @@ def launch_quant_linear(
             cfg = gemv or GemvConfig()
             kernels.gemv[(m, triton.cdiv(n, cfg.block_n))](
                 *args, **constants, HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
     else:
         cfg = gemm or gemm_config_for(m)

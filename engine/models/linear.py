@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels as ops
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 
 
@@ -30,7 +31,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
     def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
@@ -65,7 +66,7 @@ class RowParallelLinear(Linear):
         super().__init__(tp.shard_size(in_features, "input features"), out_features, bias, device, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -107,5 +108,5 @@ class VocabParallelEmbedding(nn.Module):
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, embedding: VocabParallelEmbedding
                           ) -> torch.Tensor:
     """Logits of this rank's vocabulary rows, gathered from all ranks into [N, vocab] float32."""
-    logits = embedding.tp.all_gather_last_dim(F.linear(hidden, weight))
+    logits = embedding.tp.all_gather_last_dim(ops.linear(hidden, weight))
     return logits[..., : embedding.vocab_size].float()

@@ -1,0 +1,167 @@
+"""Decode GEMV benchmark on the GPU: kernels/gemv.py, with bf16, int8 and fp8 weights, against cuBLAS (F.linear) on
+bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel halves), one token (M = 1) unless told otherwise.
+
+    python bench/gemv.py --json gemv.json                 # the shipped configurations
+    python bench/gemv.py --sweep --jobs 12 --json gemv.json  # also every launch configuration in the grid
+
+Each timing replays a CUDA graph of 64 launches that cycle through copies of the weight adding up to more than
+the L2 cache, so every launch reads its weight from HBM, as in a decode step where 31 other layers run in
+between. Reports microseconds per launch and weight bytes read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels.gemv import gemv  # noqa: E402
+from kernels.gemv_configs import gemv_config  # noqa: E402
+from kernels.quant_linear_config import GemvConfig  # noqa: E402
+
+# (name, N, K): Llama-3-8B's fused projections, then their halves under TP = 2, then the LM head.
+SHAPES = [
+    ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+    ("qkv_tp2", 3072, 4096), ("o_proj_tp2", 4096, 2048), ("gate_up_tp2", 14336, 4096), ("down_tp2", 4096, 7168),
+    ("lm_head", 128256, 4096),
+]
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+LAUNCHES = 64
+L2_FLUSH_BYTES = 512 << 20
+
+
+def sweep_grid() -> list[GemvConfig]:
+    grid = []
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024, 2048), (1, 2, 4, 8), (1, 3)):
+        per_thread = bn * bk // (32 * warps)
+        if 4 <= per_thread <= 64:
+            grid.append(GemvConfig(bn, bk, warps, stages))
+    return grid
+
+
+def random_weight(n: int, k: int, dtype: str) -> torch.Tensor:
+    if dtype == "int8":
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    return w.to(WEIGHT_DTYPES[dtype]) if dtype == "fp8" else w
+
+
+class Layer:
+    """Copies of one random weight (with channel scales for int8 / fp8), enough of them to outgrow L2."""
+
+    def __init__(self, n: int, k: int, dtype: str, m: int) -> None:
+        self.n, self.k, self.dtype = n, k, dtype
+        self.bytes = n * k * WEIGHT_DTYPES[dtype].itemsize
+        copies = max(2, -(-L2_FLUSH_BYTES // self.bytes))
+        self.weights = [random_weight(n, k, dtype) for _ in range(copies)]
+        self.scales = None if dtype == "bf16" else torch.rand(n, device="cuda") * 1e-2
+        self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+    def per_launch_us(self, call: Callable[[torch.Tensor], object]) -> float:
+        """Microseconds per launch of call(weight), replayed from a graph of LAUNCHES launches."""
+        for w in self.weights:
+            call(w)  # compiles / autotunes outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(LAUNCHES):
+                call(self.weights[i % len(self.weights)])
+        graph.replay()
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
+        return sorted(times)[len(times) // 2]
+
+    def gemv_call(self, cfg: GemvConfig | None) -> Callable[[torch.Tensor], object]:
+        cfg = cfg or gemv_config(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
+        return lambda w: gemv(self.x, w, self.scales, config=cfg)
+
+    def check(self) -> float:
+        """Largest difference to dequantize-then-matmul in float32, relative to the output's scale."""
+        w = self.weights[0]
+        ref = F.linear(self.x.float(), w.float() if self.scales is None else w.float() * self.scales[:, None])
+        ours = gemv(self.x, w, self.scales).float()
+        return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+def cublas_us(n: int, k: int, m: int) -> float:
+    """cuBLAS (F.linear) on a bf16 weight of the same shape: the baseline for every weight dtype."""
+    layer = Layer(n, k, "bf16", m)
+    return layer.per_launch_us(lambda w: F.linear(layer.x, w))
+
+
+def _compile(item: tuple[str, int, GemvConfig]) -> None:
+    dtype, m, cfg = item
+    for k in (4096, 7168):  # every K of SHAPES divides by 1024; 7168 does not by 2048 (the masked variant)
+        w = random_weight(16 * cfg.block_n, k, dtype)
+        scales = None if dtype == "bf16" else torch.ones(w.shape[0], device="cuda")
+        gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scales, config=cfg)
+
+
+def precompile(items: list[tuple[str, int, GemvConfig]], jobs: int) -> None:
+    """Fills Triton's on-disk cache from worker processes, so the timed process only loads kernels."""
+    if jobs > 1 and items:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for i, _ in enumerate(pool.imap_unordered(_compile, items, chunksize=4)):
+                if i % 50 == 0:
+                    print(f"  compiled {i}/{len(items)}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=list(WEIGHT_DTYPES), choices=list(WEIGHT_DTYPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M values (tokens) to time")
+    parser.add_argument("--sweep", action="store_true", help="also time every configuration of the grid")
+    parser.add_argument("--jobs", type=int, default=1, help="processes compiling the sweep's kernels first")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+
+    grid = sweep_grid() if args.sweep else []
+    precompile([(d, m, c) for d in args.dtypes for m in args.rows for c in grid], args.jobs)
+    results = []
+    for dtype, m, (name, n, k) in itertools.product(args.dtypes, args.rows, SHAPES):
+        if name == "lm_head" and dtype != "bf16":
+            continue  # the engine keeps the LM head in the model dtype
+        layer = Layer(n, k, dtype, m)
+        row = {"dtype": dtype, "m": m, "layer": name, "n": n, "k": k, "weight_bytes": layer.bytes,
+               "max_rel_err": layer.check()}
+        row["baseline_us"] = cublas_us(n, k, m)
+        row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
+        row["gemv_config"] = vars(gemv_config(n, k, m, WEIGHT_DTYPES[dtype]))
+        if grid:
+            timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid), key=lambda t: t[0])
+            row["best_us"], best = timed[0]
+            row["best_config"] = vars(best)
+            row["top5"] = [{"us": us, **vars(c)} for us, c in timed[:5]]
+            row["sweep"] = [{"us": us, **vars(c)} for us, c in timed]
+        tb_s = lambda us: layer.bytes / (us * 1e-6) / 1e12  # noqa: E731
+        print(f"{dtype:5s} m={m} {name:12s} baseline {row['baseline_us']:7.2f} us ({tb_s(row['baseline_us']):.2f} TB/s)"
+              f"  gemv {row['gemv_us']:7.2f} us ({tb_s(row['gemv_us']):.2f} TB/s, "
+              f"{row['baseline_us'] / row['gemv_us']:.3f}x)"
+              + (f"  best {row['best_us']:7.2f} us ({tb_s(row['best_us']):.2f} TB/s) {row['best_config']}" if grid else "")
+              + f"  err {row['max_rel_err']:.1e}", flush=True)
+        results.append(row)
+        del layer
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "launches_per_graph": LAUNCHES, "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The decode GEMV (kernels/gemv.py) against F.linear and the dequantize-then-matmul reference, on random odd
+sizes, every weight dtype the engine gives it, with and without bias, scales and the fused SiLU-and-multiply."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
+
+pytest.importorskip("triton")
+from kernels.gemv import gemv  # noqa: E402
+from kernels.gemv_configs import gemv_config  # noqa: E402
+from kernels.quant_linear_config import GemvConfig  # noqa: E402
+
+SMALL = [GemvConfig(block_n=4, block_k=64, num_warps=2), GemvConfig(block_n=1, block_k=32, num_warps=1, num_stages=3)]
+
+
+def random_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, per-channel scales or None) of an [N, K] weight stored in dtype."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (n, k), dtype=dtype, device=device), torch.rand(n, device=device) * 0.01
+    if dtype == torch.float8_e4m3fn:
+        w = (torch.randn(n, k, device=device) * 50).clamp(-448, 448).to(dtype)
+        return w, torch.rand(n, device=device) * 0.01
+    return torch.randn(n, k, device=device).to(dtype), None
+
+
+def expected(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+             silu_mul: bool) -> torch.Tensor:
+    full = w.float() if scales is None else reference.dequantize_int8(w, scales, torch.float32)
+    out = F.linear(x.float(), full, None if bias is None else bias.float())
+    return reference.silu_and_mul(out) if silu_mul else out
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 200), (3, 64, 128), (2, 24, 96)])
+@pytest.mark.parametrize("config", SMALL, ids=["bn4", "bn1"])
+def test_gemv_matches_reference(device: torch.device, weight_dtype: torch.dtype, m: int, n: int, k: int,
+                                config: GemvConfig) -> None:
+    w, scales = random_weight(n, k, weight_dtype, device)
+    x = torch.randn(m, k, device=device)
+    with poisoned_outputs():
+        out = gemv(x, w, scales, config=config)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert rel_err(out, expected(x, w, scales, None, False)) < 1e-5
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_silu_mul_and_bias(device: torch.device, weight_dtype: torch.dtype, with_bias: bool) -> None:
+    n, k = 22, 160  # 11 gate rows, then 11 up rows
+    w, scales = random_weight(n, k, weight_dtype, device)
+    bias = torch.randn(n, device=device) if with_bias else None
+    x = torch.randn(2, 1, k, device=device)
+    out = gemv(x, w, scales, bias, silu_mul=True, config=SMALL[0])
+    assert out.shape == (2, 1, 11)
+    assert rel_err(out, expected(x, w, scales, bias, True)) < 1e-5
+    plain = gemv(x, w, scales, bias, config=SMALL[0])
+    assert rel_err(plain, expected(x, w, scales, bias, False)) < 1e-5
+
+
+def test_gemv_rejects_bad_shapes(device: torch.device) -> None:
+    w = torch.randn(6, 32, device=device)
+    with pytest.raises(ValueError, match="gemv: x"):
+        gemv(torch.randn(1, 31, device=device), w)
+    with pytest.raises(ValueError, match="even number"):
+        gemv(torch.randn(1, 32, device=device), w[:5], silu_mul=True)
+    with pytest.raises(ValueError, match="scales of shape"):
+        gemv(torch.randn(1, 32, device=device), w, torch.ones(5, device=device))
+    assert gemv(torch.randn(0, 32, device=device), w).shape == (0, 6)
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)]  # qkv, o, gate_up, down, down / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_gpu_llama_shapes(n: int, k: int, weight_dtype: torch.dtype, m: int) -> None:
+    """The shipped configurations at Llama-3-8B's shapes, bf16 activations."""
+    w, scales = random_weight(n, k, weight_dtype, torch.device("cuda"))
+    if weight_dtype == torch.bfloat16:
+        w = w * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = gemv(x, w, scales, config=gemv_config(n, k, m, weight_dtype))
+    assert rel_err(out, expected(x, w, scales, None, False)) < tolerance(torch.bfloat16)
+    fused = gemv(x, w, scales, silu_mul=True, config=gemv_config(n // 2, k, m, weight_dtype))
+    assert rel_err(fused, expected(x, w, scales, None, True)) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_linear_op_takes_the_gemv_for_one_row() -> None:
+    """kernels.linear at the LM head's shape: one row through the GEMV, in a CUDA graph, and more rows through
+    cuBLAS, both against float32."""
+    import kernels
+
+    w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(128256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    kernels.linear(x, w, bias)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.linear(x, w, bias)
+    x.normal_()
+    graph.replay()
+    assert rel_err(out, expected(x, w, None, bias, False)) < tolerance(torch.bfloat16)
+    rows = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(kernels.linear(rows, w, bias), expected(rows, w, None, bias, False)) < tolerance(torch.bfloat16)
