@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also time other block_n / warps / stages / splits")
+    parser.add_argument("--sweep-graph", action="store_true",
+                        help="time the sweep as CUDA-graph replays (small batches, where launches dominate)")
     parser.add_argument("--json", metavar="FILE", help="write the results here as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -119,16 +121,17 @@ def main() -> None:
     }
 
     if args.sweep:
+        sweep_ms = graph_median_ms if args.sweep_graph else median_ms
         rows = []
         for block_n, warps, stages in itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4, 6)):
             if block_n * stages > 384:  # past the shared memory of one SM
                 continue
             cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-            rows.append((cfg, median_ms(triton_decode(cfg))))
+            rows.append((cfg, sweep_ms(triton_decode(cfg))))
         best = min(rows, key=lambda row: row[1])[0]
         for splits in (1, 2, 3, 4, 6, 8, 16):
             cfg = dataclasses.replace(best, num_splits=splits)
-            rows.append((cfg, median_ms(triton_decode(cfg))))
+            rows.append((cfg, sweep_ms(triton_decode(cfg))))
         rows.sort(key=lambda row: row[1])
         result["sweep"] = [
             {**dataclasses.asdict(cfg), "ms": ms, "kv_TBps": kv_bytes / (ms * 1e-3) / 1e12} for cfg, ms in rows

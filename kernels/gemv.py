@@ -28,6 +28,19 @@ def _dot_rows(x_row, w_rows, k, row_ok, k_ok, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _dot_rows_int8_bits(x_row, w_rows, k, EXTEND: tl.constexpr):
+    """As _dot_rows for int8 weights without int-to-float conversions: v + 128 in the low mantissa bits of
+    2^23 is the float 2^23 + v + 128; one subtraction recovers v."""
+    w = tl.load(w_rows + k[None, :])
+    x = tl.load(x_row + k).to(tl.float32)
+    if EXTEND:
+        bits = w.to(tl.int32) + 0x4B000080
+    else:
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
+    return (bits.to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
+
+
+@triton.jit
 def _channel_epilogue(acc, rows, row_ok, scales_ptr, bias_ptr, HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
     out = tl.sum(acc, axis=1)
     if HAS_SCALES:
@@ -48,6 +61,7 @@ def gemv_kernel(
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INT8_MODE: tl.constexpr = 0,
 ):
     # One axis (the second is capped at 65535 programs); rows of x vary fastest, so the programs that read one
     # weight tile run together and share it through L2.
@@ -64,7 +78,10 @@ def gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        acc += _dot_rows(x_row, w_rows, k, row_ok, k_ok, EVEN)
+        if INT8_MODE == 0:
+            acc += _dot_rows(x_row, w_rows, k, row_ok, k_ok, EVEN)
+        else:
+            acc += _dot_rows_int8_bits(x_row, w_rows, k, INT8_MODE == 1)
         if SILU_MUL:
             acc_up += _dot_rows(x_row, up_rows, k, row_ok, k_ok, EVEN)
     out = _channel_epilogue(acc, rows, row_ok, scales_ptr, bias_ptr, HAS_SCALES, HAS_BIAS)
@@ -82,6 +99,7 @@ def gemv(
     *,
     silu_mul: bool = False,
     config: GemvConfig | None = None,
+    int8_mode: int = 0,
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] * scales[:, None])^T + bias -> [..., N] in x.dtype; with silu_mul, weight is
     [2N, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) -> [..., N]."""
@@ -108,5 +126,6 @@ def gemv(
             out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
             HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN=even,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INT8_MODE=int8_mode,
         )
     return out.view(*x.shape[:-1], n)
