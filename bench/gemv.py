@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_configs import gemv_config  # noqa: E402
 from kernels.quant_linear_config import GemvConfig  # noqa: E402
@@ -36,8 +35,6 @@ SHAPES = [
     ("lm_head", 128256, 4096),
 ]
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-INT8_CANDIDATES = [GemvConfig(1, 1024, 4), GemvConfig(1, 512, 2), GemvConfig(1, 256, 1), GemvConfig(1, 512, 1),
-                   GemvConfig(2, 512, 2), GemvConfig(1, 2048, 8), GemvConfig(2, 1024, 4)]
 LAUNCHES = 64
 L2_FLUSH_BYTES = 512 << 20
 
@@ -89,9 +86,9 @@ class Layer:
             times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
         return sorted(times)[len(times) // 2]
 
-    def gemv_call(self, cfg: GemvConfig | None, int8_mode: int = 0) -> Callable[[torch.Tensor], object]:
+    def gemv_call(self, cfg: GemvConfig | None) -> Callable[[torch.Tensor], object]:
         cfg = cfg or gemv_config(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
-        return lambda w: gemv(self.x, w, self.scales, config=cfg, int8_mode=int8_mode)
+        return lambda w: gemv(self.x, w, self.scales, config=cfg)
 
     def check(self) -> float:
         """Largest difference to dequantize-then-matmul in float32, relative to the output's scale."""
@@ -130,8 +127,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M values (tokens) to time")
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of the grid")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling the sweep's kernels first")
-    parser.add_argument("--int8-modes", type=int, nargs="*", default=[],
-                        help="also time these int8 decodings (0 convert, 1 / 2 float bits) over a few configs")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
 
@@ -153,21 +148,6 @@ def main() -> None:
             row["best_config"] = vars(best)
             row["top5"] = [{"us": us, **vars(c)} for us, c in timed[:5]]
             row["sweep"] = [{"us": us, **vars(c)} for us, c in timed]
-        if name.startswith("gate_up"):  # SiLU-and-multiply fused into the GEMV, against the GEMV then the SiLU kernel
-            fused_cfg = gemv_config(n // 2, k, m, WEIGHT_DTYPES[dtype])
-            row["silu_fused_us"] = layer.per_launch_us(
-                lambda w: gemv(layer.x, w, layer.scales, silu_mul=True, config=fused_cfg))
-            row["silu_separate_us"] = layer.per_launch_us(lambda w: silu_and_mul(layer.gemv_call(None)(w)))
-            print(f"  {name} + SiLU: fused {row['silu_fused_us']:.2f} us, separate {row['silu_separate_us']:.2f} us",
-                  flush=True)
-        if dtype == "int8" and args.int8_modes:
-            row["int8_modes"] = [
-                {"mode": mode, "us": layer.per_launch_us(layer.gemv_call(c, mode)), **vars(c)}
-                for mode in args.int8_modes for c in INT8_CANDIDATES
-            ]
-            for mode in args.int8_modes:
-                best = min((r for r in row["int8_modes"] if r["mode"] == mode), key=lambda r: r["us"])
-                print(f"  int8 mode {mode}: best {best['us']:.2f} us {best}", flush=True)
         tb_s = lambda us: layer.bytes / (us * 1e-6) / 1e12  # noqa: E731
         print(f"{dtype:5s} m={m} {name:12s} baseline {row['baseline_us']:7.2f} us ({tb_s(row['baseline_us']):.2f} TB/s)"
               f"  gemv {row['gemv_us']:7.2f} us ({tb_s(row['gemv_us']):.2f} TB/s, "

@@ -211,6 +211,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, by_length, config.max_splits))
 
 
+# Few sequences (batch-1 decode, 4 to 8 programs without splits): one 128-token tile per split read by 4 warps, so
+# the context spreads over the SMs; at batch 1 on an H200 this takes a layer's attention from 6.5-8.7 us to 5.0-6.3
+# (contexts 256-2k, graph replays; BENCHMARKS.md, "Decode GEMV").
+SMALL_BATCH_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128)
+
+
+def default_config(batch: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
+    return SMALL_BATCH_CONFIG if 4 * batch * num_kv_heads <= num_sms else DecodeConfig()
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -226,18 +236,19 @@ def decode_attention(
     pages in block_tables[b]. Returns [B, H, D]. The longest context is bounded by
     block_tables.shape[1] * block_size, which sets the split count without reading seq_lens.
     An int8 / fp8 cache needs kv_scales [2, G] (see kernels/reference.py)."""
-    cfg = config or DecodeConfig()
     q, block_tables = check_paged_inputs(q, k_cache, v_cache, block_tables)
     scales_arg, kv_quant = kv_scale_args(q, k_cache, kv_scales)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    num_sms = _device_sms(q.device)
+    cfg = config or default_config(batch, num_kv_heads, num_sms)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     max_context = block_tables.shape[1] * block_size
-    num_splits = choose_num_splits(batch, num_kv_heads, max_context, _device_sms(q.device), cfg)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms, cfg)
     split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), cfg.block_n) * cfg.block_n
     num_splits = max(1, triton.cdiv(max_context, split_len))
     single = num_splits == 1

@@ -5,7 +5,7 @@ from kernels import reference
 from tests.kernels.helpers import poisoned_outputs, random_paged_kv, rel_err, tolerance
 
 pytest.importorskip("triton")
-from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention  # noqa: E402
+from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
 
 SMALL = DecodeConfig(block_n=16)
 
@@ -67,6 +67,13 @@ def test_decode_attention_default_config(device: torch.device) -> None:
         out = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
     ref = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
     assert rel_err(out, ref) < 1e-3
+
+
+def test_default_config_by_batch() -> None:
+    small = default_config(1, 8, 132)
+    assert small.block_n == 128 and choose_num_splits(1, 8, 2048, 132, small) == 16  # one tile per split
+    assert default_config(4, 8, 132) == small and default_config(5, 8, 132) == DecodeConfig()
+    assert default_config(64, 8, 132) == DecodeConfig()
 
 
 def test_choose_num_splits_fills_the_sms() -> None:
