@@ -1,7 +1,7 @@
 """Launch configurations of the decode GEMV (kernels/gemv.py), from a sweep of 120 configurations on an H200 at
 Llama-3-8B's layer shapes, whole and halved by tensor parallelism (`python bench/gemv.py --sweep`; BENCHMARKS.md,
-"Decode GEMV"). One output channel per program won everywhere at M = 1; the rule below is within 1.5% of each
-shape's best (2.6% on the LM head)."""
+"decode GEMV and batch-1 attention"). One output channel per program won everywhere at M = 1; the rule below is
+within 1.5% of each shape's best (2.6% on the LM head)."""
 
 from __future__ import annotations
 

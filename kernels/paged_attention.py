@@ -211,9 +211,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, by_length, config.max_splits))
 
 
-# Few sequences (batch-1 decode, 4 to 8 programs without splits): one 128-token tile per split read by 4 warps, so
-# the context spreads over the SMs; at batch 1 on an H200 this takes a layer's attention from 6.5-8.7 us to 5.0-6.3
-# (contexts 256-2k, graph replays; BENCHMARKS.md, "Decode GEMV").
+# Few sequences (batch-1 decode: 4 to 8 programs without splits): one 128-token tile per split, read by 4 warps, so
+# the context spreads over the SMs. At batch 1 on an H200 a layer's attention went from 6.5-8.7 us to 5.0-6.3 us
+# (contexts 256-2k, graph replays; BENCHMARKS.md, "decode GEMV and batch-1 attention").
 SMALL_BATCH_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_split_tokens=128)
 
 
