@@ -3,7 +3,7 @@
     python -m bench.chart RESULTS_DIR [--out docs/benchmarks.svg]
 
 RESULTS_DIR holds the JSON files bench/gpu_suite.sh writes (throughput_1b.json, decode_8b.json,
-kernels.json, engine_start_8b.json, quantization_8b.json, decode_8b_tp2.json, spec_decode_8b.json);
+kernels.json, gemv.json, engine_start_8b.json, quantization_8b.json, decode_8b_tp2.json, spec_decode_8b.json);
 missing ones are left out. No plotting library: plain SVG."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from html import escape
 from pathlib import Path
 
 HF_BASELINE_TOK_S = 912.0  # HF transformers 5.17 generate on the same workload and H200 (issue 3)
+LLAMA_8B_LAYERS = 32
 
 
 @dataclass
@@ -40,6 +41,15 @@ def rows_from(results: Path) -> list[Row]:
     if r := load("kernels.json"):
         rows.append(Row("decode kernel, KV read / copy bandwidth", r["triton_decode"]["fraction_of_copy_bandwidth"] * 100,
                         75, None, "%"))
+    if (r := load("kernels.json")) and "graph_replay" in r:
+        rows.append(Row("decode kernel vs SDPA, graph replays (x)", r["graph_replay"]["speedup_vs_sdpa"], 1.0, 1.0, "x"))
+    if r := load("gemv.json"):
+        layers = [x for x in r["results"] if x["dtype"] == "bf16" and x["m"] == 1 and "tp2" not in x["layer"]]
+        if layers:  # one token's worth: each decoder-layer shape 32 times, the LM head once
+            def per_token(key: str) -> float:
+                return sum(x[key] * (1 if x["layer"] == "lm_head" else LLAMA_8B_LAYERS) for x in layers)
+            rows.append(Row("8B linear layers of a token, GEMV vs cuBLAS (x)",
+                            per_token("baseline_us") / per_token("gemv_us"), 1.0, 1.0, "x"))
     if r := load("engine_start_8b.json"):
         rows.append(Row("8B engine start to first token (s)", r["total_seconds"], 20, None, "s", higher_is_better=False))
     if r := load("quantization_8b.json"):
@@ -67,7 +77,7 @@ def svg(rows: list[Row], width: int = 760) -> str:
         colour = "#2e7d32" if met else "#c62828"
         out.append(f'<text x="10" y="{y + 18}">{escape(row.title)}</text>')
         out.append(f'<rect x="{left}" y="{y + 6}" width="{row.value * scale:.1f}" height="18" fill="{colour}"/>')
-        shown = f"{row.value:,.0f}" if row.value >= 100 else f"{row.value:.3g}"
+        shown = f"{row.value:,.0f}" if row.value >= 100 else f"{row.value:.3f}" if row.unit == "x" else f"{row.value:.3g}"
         out.append(f'<text x="{left + row.value * scale + 6:.1f}" y="{y + 20}">{shown} {row.unit}</text>')
         out.append(f'<line x1="{left + row.goal * scale:.1f}" x2="{left + row.goal * scale:.1f}" y1="{y + 2}" '
                    f'y2="{y + 28}" stroke="black" stroke-width="2"/>')

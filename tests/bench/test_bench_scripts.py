@@ -68,8 +68,11 @@ def test_chart_draws_each_result_against_its_goal(tmp_path):
 
     (tmp_path / "throughput_1b.json").write_text(json.dumps({"tok_s": 25_000.0}))
     (tmp_path / "engine_start_8b.json").write_text(json.dumps({"total_seconds": 31.0}))
+    layer = {"dtype": "bf16", "m": 1, "layer": "qkv", "baseline_us": 15.0, "gemv_us": 12.0}
+    (tmp_path / "gemv.json").write_text(json.dumps({"results": [layer, {**layer, "dtype": "int8", "gemv_us": 99.0}]}))
     out = tmp_path / "chart.svg"
     main([str(tmp_path), "--out", str(out)])
     svg = out.read_text()
-    assert svg.startswith("<svg") and svg.count("<rect") == 2
+    assert svg.startswith("<svg") and svg.count("<rect") == 3
+    assert "GEMV vs cuBLAS" in svg and "1.250 x" in svg  # the bf16 layers only: 15 / 12
     assert "#2e7d32" in svg and "#c62828" in svg  # throughput meets its goal, the slow start does not
