@@ -146,10 +146,10 @@ def main() -> None:
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid), key=lambda t: t[0])
             row["best_us"], best = timed[0]
             row["best_config"] = vars(best)
-            row["top5"] = [{"us": us, **vars(c)} for us, c in timed[:5]]
             row["sweep"] = [{"us": us, **vars(c)} for us, c in timed]
-        tb_s = lambda us: layer.bytes / (us * 1e-6) / 1e12  # noqa: E731
-        print(f"{dtype:5s} m={m} {name:12s} baseline {row['baseline_us']:7.2f} us ({tb_s(row['baseline_us']):.2f} TB/s)"
+        tb_s = lambda us, nbytes=layer.bytes: nbytes / (us * 1e-6) / 1e12  # noqa: E731
+        cublas_tb_s = tb_s(row["baseline_us"], 2 * n * k)  # cuBLAS reads the bf16 weight
+        print(f"{dtype:5s} m={m} {name:12s} cuBLAS bf16 {row['baseline_us']:7.2f} us ({cublas_tb_s:.2f} TB/s)"
               f"  gemv {row['gemv_us']:7.2f} us ({tb_s(row['gemv_us']):.2f} TB/s, "
               f"{row['baseline_us'] / row['gemv_us']:.3f}x)"
               + (f"  best {row['best_us']:7.2f} us ({tb_s(row['best_us']):.2f} TB/s) {row['best_config']}" if grid else "")
