@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton.testing  # noqa: E402
 
 from kernels.kv_layout import new_kv_cache  # noqa: E402
-from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention  # noqa: E402
+from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object]) -> float:
@@ -88,13 +88,13 @@ def main() -> None:
     def triton_decode(config: DecodeConfig) -> Callable[[], torch.Tensor]:
         return lambda: decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, config=config)
 
+    props = torch.cuda.get_device_properties(0)
+    default = default_config(batch, kv_heads, props.multi_processor_count)  # what the engine launches
     ref = sdpa().squeeze(2).float()
-    out = triton_decode(DecodeConfig())().float()
+    out = triton_decode(default)().float()
     rel_err = ((out - ref).norm() / ref.norm()).item()
 
-    props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
-    default = DecodeConfig()
     triton_ms = median_ms(triton_decode(default))
     sdpa_ms = median_ms(sdpa)
     triton_graph_ms = graph_median_ms(triton_decode(default))
