@@ -1,5 +1,6 @@
-"""Decode GEMV benchmark on the GPU: kernels/gemv.py, with bf16, int8 and fp8 weights, against cuBLAS (F.linear) on
-bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel halves), one token (M = 1) unless told otherwise.
+"""Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights) and kernels/gemv_int.py (int8 weights
+decoded by bit operations), against cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of
+Llama-3-8B (whole and as tensor-parallel halves) and its LM head, one token (M = 1) unless told otherwise.
 
     python bench/gemv.py --json gemv.json                 # the shipped configurations
     python bench/gemv.py --sweep --jobs 12 --json gemv.json  # also every launch configuration in the grid
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_configs import gemv_config  # noqa: E402
+from kernels.gemv_int import gemv_int8  # noqa: E402
 from kernels.quant_linear_config import GemvConfig  # noqa: E402
 
 # (name, N, K): Llama-3-8B's fused projections, then their halves under TP = 2, then the LM head.
@@ -41,29 +43,46 @@ L2_FLUSH_BYTES = 512 << 20
 
 def sweep_grid() -> list[GemvConfig]:
     grid = []
-    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024, 2048), (1, 2, 4, 8), (1, 3)):
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048, 4096), (1, 2, 4, 8),
+                                                   (1, 3)):
         per_thread = bn * bk // (32 * warps)
-        if 4 <= per_thread <= 64:
+        if 4 <= per_thread <= 64 and (bk <= 2048 or stages == 1):
             grid.append(GemvConfig(bn, bk, warps, stages))
     return grid
 
 
-def random_weight(n: int, k: int, dtype: str) -> torch.Tensor:
-    if dtype == "int8":
-        return torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+def random_weight(n: int, k: int, dtype: str) -> tuple[torch.Tensor, ...]:
+    """The tensors of one random weight: (w,) or (q, channel scales)."""
+    if dtype.startswith("int8"):
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda"), torch.rand(n, device="cuda") * 1e-2
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    return w.to(WEIGHT_DTYPES[dtype]) if dtype == "fp8" else w
+    return (w.to(torch.float8_e4m3fn), torch.rand(n, device="cuda") * 1e-2) if dtype == "fp8" else (w,)
+
+
+def dequantized(weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return weight[0].float() * (weight[1][:, None] if len(weight) > 1 else 1.0)
+
+
+def gemv_of(dtype: str) -> Callable[..., torch.Tensor]:
+    """kind -> f(x, weight tensors, config)."""
+    if dtype == "int8":
+        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg)
+    return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg)
+
+
+def takes(dtype: str, cfg: GemvConfig) -> bool:
+    return dtype != "int8" or cfg.num_stages == 1  # no loads in its loop for num_stages to pipeline
 
 
 class Layer:
-    """Copies of one random weight (with channel scales for int8 / fp8), enough of them to outgrow L2."""
+    """Copies of one random weight, enough of them to outgrow L2."""
 
     def __init__(self, n: int, k: int, dtype: str, m: int) -> None:
         self.n, self.k, self.dtype = n, k, dtype
-        self.bytes = n * k * WEIGHT_DTYPES[dtype].itemsize
+        self.weights = [random_weight(n, k, dtype) for _ in range(2)]
+        self.bytes = sum(t.numel() * t.element_size() for t in self.weights[0])
         copies = max(2, -(-L2_FLUSH_BYTES // self.bytes))
-        self.weights = [random_weight(n, k, dtype) for _ in range(copies)]
-        self.scales = None if dtype == "bf16" else torch.rand(n, device="cuda") * 1e-2
+        self.weights += [tuple(t.clone() for t in self.weights[0]) for _ in range(copies - 2)]
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
     def per_launch_us(self, call: Callable[[torch.Tensor], object]) -> float:
@@ -86,15 +105,16 @@ class Layer:
             times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
         return sorted(times)[len(times) // 2]
 
-    def gemv_call(self, cfg: GemvConfig | None) -> Callable[[torch.Tensor], object]:
+    def gemv_call(self, cfg: GemvConfig | None) -> Callable[[tuple[torch.Tensor, ...]], object]:
         cfg = cfg or gemv_config(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
-        return lambda w: gemv(self.x, w, self.scales, config=cfg)
+        run = gemv_of(self.dtype)
+        return lambda w: run(self.x, w, cfg)
 
     def check(self) -> float:
         """Largest difference of the shipped configuration to dequantize-then-matmul in float32, relative to the
         output's scale."""
         w = self.weights[0]
-        ref = F.linear(self.x.float(), w.float() if self.scales is None else w.float() * self.scales[:, None])
+        ref = F.linear(self.x.float(), dequantized(w))
         ours = self.gemv_call(None)(w).float()
         return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
@@ -102,15 +122,15 @@ class Layer:
 def cublas_us(n: int, k: int, m: int) -> float:
     """cuBLAS (F.linear) on a bf16 weight of the same shape: the baseline for every weight dtype."""
     layer = Layer(n, k, "bf16", m)
-    return layer.per_launch_us(lambda w: F.linear(layer.x, w))
+    return layer.per_launch_us(lambda w: F.linear(layer.x, w[0]))
 
 
 def _compile(item: tuple[str, int, GemvConfig]) -> None:
     dtype, m, cfg = item
     for k in (4096, 7168):  # every K of SHAPES divides by 1024; 7168 does not by 2048 (the masked variant)
-        w = random_weight(16 * cfg.block_n, k, dtype)
-        scales = None if dtype == "bf16" else torch.ones(w.shape[0], device="cuda")
-        gemv(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, scales, config=cfg)
+        if takes(dtype, cfg):
+            gemv_of(dtype)(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                           random_weight(16 * cfg.block_n, k, dtype), cfg)
 
 
 def precompile(items: list[tuple[str, int, GemvConfig]], jobs: int) -> None:
@@ -135,8 +155,6 @@ def main() -> None:
     precompile([(d, m, c) for d in args.dtypes for m in args.rows for c in grid], args.jobs)
     results = []
     for dtype, m, (name, n, k) in itertools.product(args.dtypes, args.rows, SHAPES):
-        if name == "lm_head" and dtype != "bf16":
-            continue  # the engine keeps the LM head in the model dtype
         layer = Layer(n, k, dtype, m)
         row = {"dtype": dtype, "m": m, "layer": name, "n": n, "k": k, "weight_bytes": layer.bytes,
                "max_rel_err": layer.check()}
@@ -144,7 +162,8 @@ def main() -> None:
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
         row["gemv_config"] = vars(gemv_config(n, k, m, WEIGHT_DTYPES[dtype]))
         if grid:
-            timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid), key=lambda t: t[0])
+            timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),
+                           key=lambda t: t[0])
             row["best_us"], best = timed[0]
             row["best_config"] = vars(best)
             row["sweep"] = [{"us": us, **vars(c)} for us, c in timed]

@@ -1,6 +1,6 @@
 """Weight-only int8 linear: y = x (q * scales[:, None])^T + b, with q [N, K] int8 and one float32 scale
 per output channel. The weight is converted in registers; the per-channel scale is applied once per
-output, after the sum over K. Batch-1 decode is bound by reading the weight, which is half of bf16's.
+output, after the sum over K. One bf16 row (batch-1 decode) runs kernels/gemv_int.py, a few rows kernels/gemv.py.
 The same kernels read float8_e4m3fn weights with per-channel scales (fp8 decode, engine/quantization/fp8.py)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels.gemv import gemv as gemv_rows
 from kernels.gemv_configs import gemv_config
+from kernels.gemv_int import gemv_int8
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
 from kernels.reference import dequantize_int8
@@ -69,6 +70,8 @@ def int8_linear(
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
     m = x.numel() // k
+    if m == 1 and max_gemv_m and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0:
+        return gemv_int8(x, qweight, scales, bias, config=gemv or gemv_config(n, k, m, qweight.dtype))
     if 0 < m <= max_gemv_m:
         return gemv_rows(x, qweight, scales, bias, config=gemv or gemv_config(n, k, m, qweight.dtype))
     return launch_quant_linear(

@@ -105,8 +105,7 @@ class VocabParallelEmbedding(nn.Module):
         return torch.cat([part, pad])
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, embedding: VocabParallelEmbedding
-                          ) -> torch.Tensor:
-    """Logits of this rank's vocabulary rows, gathered from all ranks into [N, vocab] float32."""
-    logits = embedding.tp.all_gather_last_dim(ops.linear(hidden, weight))
+def vocab_parallel_logits(partial: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
+    """The logits of this rank's vocabulary rows [N, vocab / tp], gathered from all ranks into [N, vocab] float32."""
+    logits = embedding.tp.all_gather_last_dim(partial)
     return logits[..., : embedding.vocab_size].float()

@@ -124,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype, tp)
         )
+        # The LM head quantized along with the decoder's linears (engine/quantization/model.py), else None.
+        self.quantized_lm_head: nn.Module | None = None
         self.register_buffer(
             "cos_sin", cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device), persistent=False
         )
@@ -143,8 +145,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized_lm_head is not None:
+            return vocab_parallel_logits(self.quantized_lm_head(hidden), self.embed_tokens)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return vocab_parallel_logits(hidden, head.weight, self.embed_tokens)
+        return vocab_parallel_logits(ops.linear(hidden, head.weight), self.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors in, fusing q/k/v and gate/up and keeping this rank's slice of each.

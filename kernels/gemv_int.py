@@ -1,0 +1,109 @@
+"""Decode GEMV for int8 weights times bf16 rows, decoding with integer bit operations instead of int-to-float
+conversions.
+
+Converting int8 to float is slower than an FMA, which capped the byte-wise GEMV (kernels/gemv.py) at 2.2-3.3 TB/s
+of int8 weight. Here a 32-bit word of weight is read whole and each byte, its sign bit flipped (v + 128), is moved
+into the low mantissa bits of the float 2**23, so the float is 2**23 + v + 128 and one subtraction leaves v
+exactly. The bf16 activations are read four to a 64-bit word; a bf16 is the high half of a float32, so each is one
+shift or mask away. Each program owns BLOCK_N output channels, which share the decoded activations.
+
+Layout: qweight [N, K] int8 with a float32 scale per output channel (applied once per output)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_linear_config import GemvConfig
+
+MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits read as an unsigned integer
+MAGIC_BITS = tl.constexpr(0x4B000000)
+
+
+@triton.jit
+def _bf16_pairs(words):
+    """int64 words of four bf16 (lowest first) -> the four values as float32."""
+    lo = words.to(tl.int32)
+    hi = (words >> 32).to(tl.int32)
+    return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+            (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _int8_byte(words, SHIFT: tl.constexpr):
+    """Byte SHIFT / 8 of uint32 words, read as int8, as float32: the XOR with 0x80 turns it into int8 + 128."""
+    if SHIFT == 24:
+        byte = words >> SHIFT
+    else:
+        byte = (words >> SHIFT) & 0xFF
+    return (byte ^ (MAGIC_BITS | 0x80)).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+
+
+@triton.jit
+def gemv_int8_kernel(
+    x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
+    M, N, K4,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K4 % (BLOCK_K / 4) == 0
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x_ptr: rows of x as int64 words of four bf16 [M, K4]; w_ptr: the weight as int32 words of four int8 [N, K4].
+    # Rows of x vary fastest in the grid: the programs reading one weight tile run together and share it in L2.
+    m = tl.program_id(0) % M
+    x_ptr += m.to(tl.int64) * K4
+    rows = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    words = tl.arange(0, BLOCK_K // 4)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K4
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
+    for k0 in range(0, K4, BLOCK_K // 4):
+        j = k0 + words
+        if EVEN:
+            xw = tl.load(x_ptr + j)
+            w = tl.load(w_rows + j[None, :])
+        else:
+            xw = tl.load(x_ptr + j, mask=j < K4, other=0)
+            w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < K4)[None, :], other=0)
+        w = w.to(tl.uint32, bitcast=True)
+        x0, x1, x2, x3 = _bf16_pairs(xw)
+        acc += _int8_byte(w, 0) * x0[None, :]
+        acc += _int8_byte(w, 8) * x1[None, :]
+        acc += _int8_byte(w, 16) * x2[None, :]
+        acc += _int8_byte(w, 24) * x3[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _bf16_words(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """bf16 rows x [..., K] as [M, K/4] int64 words of four values (copied when not contiguous and 8-byte aligned)."""
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
+        raise ValueError(f"{name}: bf16 rows of {k} values expected, got {x.dtype} of shape {tuple(x.shape)}")
+    if k % 4:
+        raise ValueError(f"{name}: K = {k} is not a multiple of 4")
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous() or rows.data_ptr() % 8:
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.int64)
+
+
+def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
+              config: GemvConfig) -> torch.Tensor:
+    """bf16 rows x [..., K] @ (qweight [N, K] int8 * scales[:, None])^T + bias -> [..., N] bf16."""
+    n, k = qweight.shape
+    if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,):
+        raise ValueError(f"gemv_int8: contiguous int8 qweight [N, K] and scales [{n}] expected")
+    x_words = _bf16_words(x, k, "gemv_int8")
+    m = x_words.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    k4, words_per_tile = k // 4, config.block_k // 4
+    if m:
+        gemv_int8_kernel[(m * triton.cdiv(n, config.block_n),)](
+            x_words, qweight.view(torch.int32), scales, bias if bias is not None else scales, out, m, n, k4,
+            HAS_BIAS=bias is not None, EVEN=n % config.block_n == 0 and k4 % words_per_tile == 0,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out.view(*x.shape[:-1], n)
