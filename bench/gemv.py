@@ -1,5 +1,5 @@
 """Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights) and kernels/gemv_int.py (int8 weights
-decoded by bit operations), against cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of
+decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks), against cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of
 Llama-3-8B (whole and as tensor-parallel halves) and its LM head, one token (M = 1) unless told otherwise.
 
     python bench/gemv.py --json gemv.json                 # the shipped configurations
@@ -36,7 +36,7 @@ SHAPES = [
     ("qkv_tp2", 3072, 4096), ("o_proj_tp2", 4096, 2048), ("gate_up_tp2", 14336, 4096), ("down_tp2", 4096, 7168),
     ("lm_head", 128256, 4096),
 ]
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int8_shifts": torch.int8, "fp8": torch.float8_e4m3fn}
 LAUNCHES = 64
 L2_FLUSH_BYTES = 512 << 20
 
@@ -65,13 +65,13 @@ def dequantized(weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def gemv_of(dtype: str) -> Callable[..., torch.Tensor]:
     """kind -> f(x, weight tensors, config)."""
-    if dtype == "int8":
-        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg)
+    if dtype.startswith("int8"):
+        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8")
     return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg)
 
 
 def takes(dtype: str, cfg: GemvConfig) -> bool:
-    return dtype != "int8" or cfg.num_stages == 1  # no loads in its loop for num_stages to pipeline
+    return not dtype.startswith("int8") or cfg.num_stages == 1  # no loads in its loop for num_stages to pipeline
 
 
 class Layer:

@@ -11,6 +11,8 @@ Layout: qweight [N, K] int8 with a float32 scale per output channel (applied onc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,25 @@ def _int8_byte(words, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _int8_bytes_prmt(words):
+    """The four bytes of int32 words as 2**23 + int8 + 128 float bits: one XOR flips the four sign bits, then
+    each PRMT puts one byte under the exponent byte 0x4B (PTX; the interpreter runs _int8_byte instead)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 flipped, magic;
+        xor.b32 flipped, $4, 0x80808080;
+        mov.b32 magic, 0x4B000000;
+        prmt.b32 $0, flipped, magic, 0x7440;
+        prmt.b32 $1, flipped, magic, 0x7441;
+        prmt.b32 $2, flipped, magic, 0x7442;
+        prmt.b32 $3, flipped, magic, 0x7443;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1,
+    )
+
+
+@triton.jit
 def gemv_int8_kernel(
     x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, K4,
@@ -48,6 +69,7 @@ def gemv_int8_kernel(
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K4 % (BLOCK_K / 4) == 0
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRMT: tl.constexpr,  # decode with inline PTX (not under the interpreter)
 ):
     # x_ptr: rows of x as int64 words of four bf16 [M, K4]; w_ptr: the weight as int32 words of four int8 [N, K4].
     # Rows of x vary fastest in the grid: the programs reading one weight tile run together and share it in L2.
@@ -66,16 +88,26 @@ def gemv_int8_kernel(
         else:
             xw = tl.load(x_ptr + j, mask=j < K4, other=0)
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < K4)[None, :], other=0)
-        w = w.to(tl.uint32, bitcast=True)
         x0, x1, x2, x3 = _bf16_pairs(xw)
-        acc += _int8_byte(w, 0) * x0[None, :]
-        acc += _int8_byte(w, 8) * x1[None, :]
-        acc += _int8_byte(w, 16) * x2[None, :]
-        acc += _int8_byte(w, 24) * x3[None, :]
+        if PRMT:
+            b0, b1, b2, b3 = _int8_bytes_prmt(w)
+            acc += (b0 - (MAGIC + 128.0)) * x0[None, :]
+            acc += (b1 - (MAGIC + 128.0)) * x1[None, :]
+            acc += (b2 - (MAGIC + 128.0)) * x2[None, :]
+            acc += (b3 - (MAGIC + 128.0)) * x3[None, :]
+        else:
+            w = w.to(tl.uint32, bitcast=True)
+            acc += _int8_byte(w, 0) * x0[None, :]
+            acc += _int8_byte(w, 8) * x1[None, :]
+            acc += _int8_byte(w, 16) * x2[None, :]
+            acc += _int8_byte(w, 24) * x3[None, :]
     out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+_PRMT = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _bf16_words(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
@@ -91,7 +123,7 @@ def _bf16_words(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
-              config: GemvConfig) -> torch.Tensor:
+              config: GemvConfig, prmt: bool = True) -> torch.Tensor:
     """bf16 rows x [..., K] @ (qweight [N, K] int8 * scales[:, None])^T + bias -> [..., N] bf16."""
     n, k = qweight.shape
     if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,):
@@ -103,7 +135,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     if m:
         gemv_int8_kernel[(m * triton.cdiv(n, config.block_n),)](
             x_words, qweight.view(torch.int32), scales, bias if bias is not None else scales, out, m, n, k4,
-            HAS_BIAS=bias is not None, EVEN=n % config.block_n == 0 and k4 % words_per_tile == 0,
+            HAS_BIAS=bias is not None, EVEN=n % config.block_n == 0 and k4 % words_per_tile == 0, PRMT=_PRMT and prmt,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out.view(*x.shape[:-1], n)
