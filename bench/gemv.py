@@ -1,6 +1,7 @@
 """Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights) and kernels/gemv_int.py (int8 weights
-decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks), against cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of
-Llama-3-8B (whole and as tensor-parallel halves) and its LM head, one token (M = 1) unless told otherwise.
+decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks), against cuBLAS
+(F.linear) on bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel
+halves) and its LM head, one token (M = 1) unless told otherwise.
 
     python bench/gemv.py --json gemv.json                 # the shipped configurations
     python bench/gemv.py --sweep --jobs 12 --json gemv.json  # also every launch configuration in the grid

@@ -3,9 +3,10 @@ conversions.
 
 Converting int8 to float is slower than an FMA, which capped the byte-wise GEMV (kernels/gemv.py) at 2.2-3.3 TB/s
 of int8 weight. Here a 32-bit word of weight is read whole and each byte, its sign bit flipped (v + 128), is moved
-into the low mantissa bits of the float 2**23, so the float is 2**23 + v + 128 and one subtraction leaves v
-exactly. The bf16 activations are read four to a 64-bit word; a bf16 is the high half of a float32, so each is one
-shift or mask away. Each program owns BLOCK_N output channels, which share the decoded activations.
+into the low mantissa bits of the float 2**23 (one XOR per word and one PRMT per byte, in inline PTX; shifts and
+masks under the interpreter), so the float is 2**23 + v + 128 and one subtraction leaves v exactly. The bf16
+activations are read four to a 64-bit word; a bf16 is the high half of a float32, so each is one shift or mask
+away. Each program owns BLOCK_N output channels, which share the decoded activations.
 
 Layout: qweight [N, K] int8 with a float32 scale per output channel (applied once per output)."""
 
