@@ -62,6 +62,7 @@ def test_engine_quantizes_every_linear_and_nothing_else(method: str) -> None:
     head = model.quantized_lm_head
     assert isinstance(head, Int8Linear)
     assert head.out_features == model.config.vocab_size
+    assert model.lm_head.weight.numel() == 0  # llama-tiny's head is untied: its float copy is released
     hidden = torch.randn(2, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, head.dequantize(torch.float32)))
 
