@@ -111,12 +111,12 @@ def gemv_int8_kernel(
 _PRMT = os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _bf16_words(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
+def _bf16_words(x: torch.Tensor, k: int) -> torch.Tensor:
     """bf16 rows x [..., K] as [M, K/4] int64 words of four values (copied when not contiguous and 8-byte aligned)."""
     if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-        raise ValueError(f"{name}: bf16 rows of {k} values expected, got {x.dtype} of shape {tuple(x.shape)}")
+        raise ValueError(f"gemv_int8: bf16 rows of {k} values expected, got {x.dtype} of shape {tuple(x.shape)}")
     if k % 4:
-        raise ValueError(f"{name}: K = {k} is not a multiple of 4")
+        raise ValueError(f"gemv_int8: K = {k} is not a multiple of 4")
     rows = x.reshape(-1, k)
     if not rows.is_contiguous() or rows.data_ptr() % 8:
         rows = rows.clone(memory_format=torch.contiguous_format)
@@ -129,7 +129,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     n, k = qweight.shape
     if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,):
         raise ValueError(f"gemv_int8: contiguous int8 qweight [N, K] and scales [{n}] expected")
-    x_words = _bf16_words(x, k, "gemv_int8")
+    x_words = _bf16_words(x, k)
     m = x_words.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k4, words_per_tile = k // 4, config.block_k // 4

@@ -50,7 +50,7 @@ def _int8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_INT8_KERNELS = QuantLinearKernels(gemv=None, gemv_autotuned=None, gemm=_int8_gemm_kernel)  # GEMV: kernels/gemv.py
+_INT8_KERNELS = QuantLinearKernels(gemv=None, gemv_autotuned=None, gemm=_int8_gemm_kernel)  # GEMVs: below
 
 
 def int8_linear(

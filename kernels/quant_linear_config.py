@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-# M <= GEMV_MAX_M: one program per (row, BLOCK_N outputs), plain FMAs (kernels/gemv.py for int8 / fp8) (decode; the weight is read
-# once from DRAM, the other rows' programs run next to it and hit L2).
+# M <= GEMV_MAX_M: one program per (row, BLOCK_N outputs), plain FMAs (decode: int8 / fp8 through kernels/gemv.py,
+# one bf16 row of int8 through kernels/gemv_int.py; the weight is read once from DRAM, the other rows' programs
+# run next to it and hit L2).
 GEMV_MAX_M = 8
 # GEMV_MAX_M < M <= GEMM_MAX_M: tensor-core GEMM that dequantizes weight tiles in registers.
 GEMM_MAX_M = 512
