@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", choices=("int8", "int4", "fp8"), help="weights quantized on load")
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.sync_scheduling:
         kwargs["async_scheduling"] = False
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     llm = LLM(args.model, **kwargs)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     rng = random.Random(0)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "tensor_parallel_size": tp,
+        "quantization": args.quantization,
         "async_scheduling": llm.engine.overlap,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

@@ -8,7 +8,10 @@ halves) and its LM head, one token (M = 1) unless told otherwise.
 
 Each timing replays a CUDA graph of 64 launches that cycle through copies of the weight adding up to more than
 the L2 cache, so every launch reads its weight from HBM, as in a decode step where 31 other layers run in
-between. Reports microseconds per launch and weight bytes read per second.
+between. Reports microseconds per launch and weight bytes read per second. The gate_up layers are also timed gated
+(the SiLU and product fused into the GEMV) against the plain GEMV followed by the SiLU kernel.
+
+    python bench/gemv.py --layers gate_up gate_up_tp2 --sweep-gated --jobs 14   # every gated configuration
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
-from kernels.gemv_configs import gemv_config  # noqa: E402
+from kernels.gemv_configs import gated_gemv_config, gemv_config  # noqa: E402
 from kernels.gemv_int import gemv_int8  # noqa: E402
 from kernels.quant_linear_config import GemvConfig  # noqa: E402
 
@@ -64,11 +68,11 @@ def dequantized(weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return weight[0].float() * (weight[1][:, None] if len(weight) > 1 else 1.0)
 
 
-def gemv_of(dtype: str) -> Callable[..., torch.Tensor]:
-    """kind -> f(x, weight tensors, config)."""
+def gemv_of(dtype: str, gated: bool = False) -> Callable[..., torch.Tensor]:
+    """kind -> f(x, weight tensors, config); gated: the fused gate_up's silu(gate) * up."""
     if dtype.startswith("int8"):
-        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8")
-    return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg)
+        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8", gated=gated)
+    return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg, gated=gated)
 
 
 def takes(dtype: str, cfg: GemvConfig) -> bool:
@@ -106,9 +110,10 @@ class Layer:
             times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
         return sorted(times)[len(times) // 2]
 
-    def gemv_call(self, cfg: GemvConfig | None) -> Callable[[tuple[torch.Tensor, ...]], object]:
-        cfg = cfg or gemv_config(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
-        run = gemv_of(self.dtype)
+    def gemv_call(self, cfg: GemvConfig | None, gated: bool = False) -> Callable[[tuple[torch.Tensor, ...]], object]:
+        rule = gated_gemv_config if gated else gemv_config
+        cfg = cfg or rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
+        run = gemv_of(self.dtype, gated)
         return lambda w: run(self.x, w, cfg)
 
     def check(self) -> float:
@@ -126,15 +131,15 @@ def cublas_us(n: int, k: int, m: int) -> float:
     return layer.per_launch_us(lambda w: F.linear(layer.x, w[0]))
 
 
-def _compile(item: tuple[str, int, GemvConfig]) -> None:
-    dtype, m, cfg = item
+def _compile(item: tuple[str, int, GemvConfig, bool]) -> None:
+    dtype, m, cfg, gated = item
     for k in (4096, 7168):  # every K of SHAPES divides by 1024; 7168 does not by 2048 (the masked variant)
         if takes(dtype, cfg):
-            gemv_of(dtype)(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                           random_weight(16 * cfg.block_n, k, dtype), cfg)
+            gemv_of(dtype, gated)(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                  random_weight(16 * cfg.block_n, k, dtype), cfg)
 
 
-def precompile(items: list[tuple[str, int, GemvConfig]], jobs: int) -> None:
+def precompile(items: list[tuple[str, int, GemvConfig, bool]], jobs: int) -> None:
     """Fills Triton's on-disk cache from worker processes, so the timed process only loads kernels."""
     if jobs > 1 and items:
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
@@ -148,14 +153,20 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(WEIGHT_DTYPES), choices=list(WEIGHT_DTYPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M values (tokens) to time")
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of the grid")
+    parser.add_argument("--sweep-gated", action="store_true",
+                        help="gate_up layers: time every configuration of the grid with two or more rows, gated")
+    parser.add_argument("--layers", nargs="+", choices=[name for name, _, _ in SHAPES], help="only these layers")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling the sweep's kernels first")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
 
     grid = sweep_grid() if args.sweep else []
-    precompile([(d, m, c) for d in args.dtypes for m in args.rows for c in grid], args.jobs)
+    gated_grid = [c for c in sweep_grid() if c.block_n >= 2] if args.sweep_gated else []
+    precompile([(d, m, c, False) for d in args.dtypes for m in args.rows for c in grid]
+               + [(d, m, c, True) for d in args.dtypes for m in args.rows for c in gated_grid], args.jobs)
+    shapes = [s for s in SHAPES if not args.layers or s[0] in args.layers]
     results = []
-    for dtype, m, (name, n, k) in itertools.product(args.dtypes, args.rows, SHAPES):
+    for dtype, m, (name, n, k) in itertools.product(args.dtypes, args.rows, shapes):
         layer = Layer(n, k, dtype, m)
         row = {"dtype": dtype, "m": m, "layer": name, "n": n, "k": k, "weight_bytes": layer.bytes,
                "max_rel_err": layer.check()}
@@ -168,6 +179,19 @@ def main() -> None:
             row["best_us"], best = timed[0]
             row["best_config"] = vars(best)
             row["sweep"] = [{"us": us, **vars(c)} for us, c in timed]
+        if name.startswith("gate_up"):  # the fused SiLU against the projection then kernels/activation.py
+            plain = layer.gemv_call(None)
+            row["unfused_silu_us"] = layer.per_launch_us(lambda w: silu_and_mul(plain(w)))
+            row["gated_us"] = layer.per_launch_us(layer.gemv_call(None, gated=True))
+            print(f"{dtype:5s} m={m} {name:12s} gemv + SiLU kernel {row['unfused_silu_us']:7.2f} us  "
+                  f"gated gemv {row['gated_us']:7.2f} us", flush=True)
+            if gated_grid:
+                timed = sorted(((layer.per_launch_us(layer.gemv_call(c, gated=True)), c) for c in gated_grid
+                                if takes(dtype, c)), key=lambda t: t[0])
+                row["gated_best_us"], best = timed[0]
+                row["gated_best_config"] = vars(best)
+                row["gated_sweep"] = [{"us": us, **vars(c)} for us, c in timed]
+                print(f"{dtype:5s} m={m} {name:12s} gated best {timed[0][0]:7.2f} us {vars(best)}", flush=True)
         tb_s = lambda us, nbytes=layer.bytes: nbytes / (us * 1e-6) / 1e12  # noqa: E731
         cublas_tb_s = tb_s(row["baseline_us"], 2 * n * k)  # cuBLAS reads the bf16 weight
         print(f"{dtype:5s} m={m} {name:12s} cuBLAS bf16 {row['baseline_us']:7.2f} us ({cublas_tb_s:.2f} TB/s)"

@@ -9,6 +9,7 @@ from itertools import chain
 
 import torch
 
+import kernels as ops
 from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
 from engine.transfer import to_device
@@ -149,7 +150,7 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     """One token per row of probs, each seeded row drawn from its own generator."""
     # Exponential race: argmax(p / q) with q ~ Exp(1) picks token j with probability p[j].
     noise = _exponential_noise(generators, probs.shape[-1], probs.device)
-    return (probs / noise).argmax(dim=-1)
+    return ops.argmax(probs / noise)
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -188,15 +189,15 @@ class Sampler:
         if any(_uses_penalties(p) for p in params):
             adjusted = apply_penalties(logits, rows)
         else:
-            adjusted = logits.to(torch.float32)  # read only below, so no copy is needed
+            adjusted = logits  # greedy rows take the argmax as it is; sampled rows are cast to float32
 
         sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if len(sampled) == len(rows):
-            return _sample(adjusted, rows)
-        tokens = adjusted.argmax(dim=-1)
+            return _sample(adjusted.float(), rows)
+        tokens = ops.argmax(adjusted)
         if sampled:
             index = to_device(sampled, torch.int64, logits.device)
-            tokens[index] = _sample(adjusted[index], [rows[i] for i in sampled])
+            tokens[index] = _sample(adjusted[index].float(), [rows[i] for i in sampled])
         return tokens
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:

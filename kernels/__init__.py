@@ -23,13 +23,17 @@ from kernels import reference as _ref
 
 __all__ = [
     "add_rms_norm",
+    "argmax",
     "decode_attention",
     "int4_linear",
     "int8_linear",
+    "int8_linear_silu_and_mul",
     "linear",
+    "linear_silu_and_mul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_kv_store",
     "silu_and_mul",
     "store_kv_cache",
     "triton_available",
@@ -57,6 +61,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
             key: importlib.import_module(f"kernels.{name}")
             for key, name in [
                 ("activation", "activation"),
+                ("argmax", "row_argmax"),
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
                 ("decode", "paged_attention"),
@@ -66,6 +71,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("int8_matmul", "int8_matmul"),
                 ("prefill", "prefill_attention"),
                 ("rotary", "rotary"),
+                ("rotary_store", "rotary_store"),
             ]
         }
     except ImportError:
@@ -104,6 +110,13 @@ def add_rms_norm(
     return _ref.add_rms_norm(x, residual, weight, eps)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] -> [N] int64: each row's first index of its largest value (NaN counts as largest)."""
+    if ops := _triton_for(x):
+        return ops.argmax.argmax(x)
+    return _ref.argmax(x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if ops := _triton_for(x):
         return ops.activation.silu_and_mul(x)
@@ -117,6 +130,24 @@ def rotary_embedding(
     if ops := _triton_for(q):
         return ops.rotary.rotary_embedding(positions, q, k, cos_sin_cache)
     return _ref.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def rotary_kv_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rotary_embedding of q and k, then store_kv_cache of the rotated k and v, in one kernel; returns the rotated q."""
+    if ops := _triton_for(q):
+        return ops.rotary_store.rotary_kv_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                   kv_scales)
+    return _ref.rotary_kv_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def store_kv_cache(
@@ -170,13 +201,30 @@ def decode_attention(
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias. One row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the
     decode GEMV, which reads the weight faster than cuBLAS does at M = 1; everything else is F.linear."""
-    if x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES and weight.stride(-1) == 1 and (ops := _triton_for(x)):
+    if ops := _gemv_row(x, weight):
         n, k = weight.shape
         return ops.gemv.gemv(x, weight, None, bias, config=ops.gemv_configs.gemv_config(n, k, 1, weight.dtype))
     return F.linear(x, weight, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias)) for a fused gate_up weight [2N, K] -> [..., N]; at one row on CUDA the
+    decode GEMV applies the SiLU and product itself, saving a kernel."""
+    if weight.shape[0] % 2 == 0 and (ops := _gemv_row(x, weight)):
+        n, k = weight.shape
+        return ops.gemv.gemv(x, weight, None, bias, config=ops.gemv_configs.gated_gemv_config(n, k, 1, weight.dtype),
+                             gated=True)
+    return silu_and_mul(linear(x, weight, bias))
+
+
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> types.SimpleNamespace | None:
+    """The Triton modules when x is one row that the decode GEMV takes, else None."""
+    if x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES and weight.stride(-1) == 1:
+        return _triton_for(x)
+    return None
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,6 +232,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     if ops := _triton_for(x):
         return ops.int8_matmul.int8_linear(x, qweight, scales, bias)
     return _ref.int8_linear(x, qweight, scales, bias)
+
+
+def int8_linear_silu_and_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """silu_and_mul(int8_linear(...)) for a fused gate_up weight [2N, K] -> [..., N], in the GEMV at decode sizes."""
+    if ops := _triton_for(x):
+        return ops.int8_matmul.int8_linear_silu_and_mul(x, qweight, scales, bias)
+    return _ref.silu_and_mul(_ref.int8_linear(x, qweight, scales, bias))
 
 
 def int4_linear(

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, wait_for_earlier_kernels
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -15,7 +17,9 @@ def _silu_and_mul_kernel(
     stride_o,
     N,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -38,6 +42,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-        x2, out2, x2.stride(0), out2.stride(0), n, BLOCK=block, num_warps=4
+        x2, out2, x2.stride(0), out2.stride(0), n, BLOCK=block, num_warps=4, **launch_options(x2)
     )
     return out

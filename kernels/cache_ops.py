@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.reference import check_kv_scales
 
 _NO_QUANT, _INT8, _FP8 = 0, 1, 2
@@ -31,7 +32,7 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _quantize(x, scale, QUANT: tl.constexpr):
+def quantize(x, scale, QUANT: tl.constexpr):
     y = tl.math.div_rn(x.to(tl.float32), scale[:, None])
     if QUANT == 1:
         return tl.clamp(tl.floor(y + 0.5), -127.0, 127.0)
@@ -62,7 +63,9 @@ def _store_kv_cache_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -77,8 +80,8 @@ def _store_kv_cache_kernel(
     if QUANT != 0:
         k_scale = tl.load(kv_scales_ptr + heads, mask=heads < NUM_HEADS, other=1.0)
         v_scale = tl.load(kv_scales_ptr + NUM_HEADS + heads, mask=heads < NUM_HEADS, other=1.0)
-        k = _quantize(k, k_scale, QUANT)
-        v = _quantize(v, v_scale, QUANT)
+        k = quantize(k, k_scale, QUANT)
+        v = quantize(v, v_scale, QUANT)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -87,6 +90,22 @@ def _store_kv_cache_kernel(
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_cache_inputs(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
+) -> tuple[torch.Tensor | None, int]:
+    """Checks key / value [T, G, D] against the caches; returns the float32 scales of a quantized cache (or None) and
+    the kernels' QUANT flag."""
+    _, num_heads, head_dim = key.shape
+    if value.shape != key.shape or k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError("key/value [T, G, D] do not match the caches [num_blocks, block_size, G, D]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV caches must be contiguous in the head dimension")
+    scales = check_kv_scales(k_cache, kv_scales)
+    if scales is None:
+        return None, _NO_QUANT
+    return scales.float().contiguous(), _INT8 if k_cache.dtype == torch.int8 else _FP8
 
 
 def store_kv_cache(
@@ -100,14 +119,9 @@ def store_kv_cache(
     """Writes key/value [T, G, D] into the pages at slot_mapping [T], in place; negative slots are skipped.
     An int8 / float8_e4m3fn cache stores key / kv_scales[0] and value / kv_scales[1] (per KV head), rounded."""
     num_tokens, num_heads, head_dim = key.shape
-    if value.shape != key.shape or k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError("key/value [T, G, D] do not match the caches [num_blocks, block_size, G, D]")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV caches must be contiguous in the head dimension")
-    scales = check_kv_scales(k_cache, kv_scales)
+    scales, quant = check_cache_inputs(key, value, k_cache, v_cache, kv_scales)
     if num_tokens == 0:
         return
-    quant = _NO_QUANT if scales is None else (_INT8 if k_cache.dtype == torch.int8 else _FP8)
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     head_dim_pad = triton.next_power_of_2(head_dim)
     heads_pad = triton.next_power_of_2(num_heads)
@@ -117,7 +131,7 @@ def store_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
-        key if scales is None else scales.float().contiguous(),
+        key if scales is None else scales,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -135,4 +149,5 @@ def store_kv_cache(
         BLOCK_SIZE=k_cache.shape[1],
         QUANT=quant,
         num_warps=max(1, min(8, heads_pad * head_dim_pad // 256)),
+        **launch_options(key),
     )

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_rows import gated_block_n, program_rows, store_outputs
+from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
 
@@ -21,15 +23,18 @@ def gemv_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
+    EVEN: tl.constexpr,  # every program's rows in range and K % BLOCK_K == 0: no masks
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr = False,  # N output channels of silu(gate) * up from 2N weight rows (kernels/gemv_rows.py)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     # One grid axis (the second is capped at 65535 programs); rows of x vary fastest, so the programs that read
     # one weight tile run together and share it through L2.
     m = tl.program_id(0) % M
-    rows = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    pid_n = tl.program_id(0) // M
+    rows, row_ok = program_rows(pid_n, N, BLOCK_N, GATED)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -48,7 +53,7 @@ def gemv_kernel(
         out *= tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_outputs(out_ptr + m.to(tl.int64) * stride_om, out, pid_n, N, row_ok, BLOCK_N, GATED)
 
 
 def gemv(
@@ -58,8 +63,10 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] * scales[:, None])^T + bias -> [..., N] in x.dtype."""
+    """x [..., K] @ (weight [N, K] * scales[:, None])^T + bias -> [..., N] in x.dtype; gated: silu of the first N / 2
+    outputs times the last N / 2 -> [..., N / 2]."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -69,16 +76,21 @@ def gemv(
     for name, t in (("scales", scales), ("bias", bias)):
         if t is not None and t.shape != (n,):
             raise ValueError(f"gemv: {name} of shape {tuple(t.shape)}, expected ({n},)")
+    if gated and n % 2:
+        raise ValueError(f"gemv: a gated weight needs an even number of rows, got {n}")
     cfg = config or GemvConfig()
+    block_n = gated_block_n(cfg.block_n) if gated else cfg.block_n
+    channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)
     m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, channels), dtype=x.dtype, device=x.device)
     if m:
         placeholder = weight  # the kernel reads neither pointer when its flag is off
-        gemv_kernel[(m * triton.cdiv(n, cfg.block_n),)](
+        gemv_kernel[(m * triton.cdiv(channels, per_program),)](
             rows, weight, scales if scales is not None else placeholder, bias if bias is not None else placeholder,
-            out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+            out, m, channels, k, rows.stride(0), weight.stride(0), out.stride(0),
             HAS_SCALES=scales is not None, HAS_BIAS=bias is not None,
-            EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EVEN=channels % per_program == 0 and k % cfg.block_k == 0,
+            BLOCK_N=block_n, BLOCK_K=cfg.block_k, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch_options(x),
         )
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], channels)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_rows import gated_block_n, program_rows, store_outputs
+from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
 MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits read as an unsigned integer
@@ -67,17 +69,20 @@ def gemv_int8_kernel(
     x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, K4,
     HAS_BIAS: tl.constexpr,
-    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K4 % (BLOCK_K / 4) == 0
+    EVEN: tl.constexpr,  # every program's rows in range and K4 % (BLOCK_K / 4) == 0
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRMT: tl.constexpr,  # decode with inline PTX (not under the interpreter)
+    GATED: tl.constexpr = False,  # N output channels of silu(gate) * up from 2N weight rows (kernels/gemv_rows.py)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     # x_ptr: rows of x as int64 words of four bf16 [M, K4]; w_ptr: the weight as int32 words of four int8 [N, K4].
     # Rows of x vary fastest in the grid: the programs reading one weight tile run together and share it in L2.
     m = tl.program_id(0) % M
     x_ptr += m.to(tl.int64) * K4
-    rows = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    pid_n = tl.program_id(0) // M
+    rows, row_ok = program_rows(pid_n, N, BLOCK_N, GATED)
     words = tl.arange(0, BLOCK_K // 4)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K4
     acc = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
@@ -105,7 +110,7 @@ def gemv_int8_kernel(
     out = tl.sum(acc, axis=1) * tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED)
 
 
 _PRMT = os.environ.get("TRITON_INTERPRET") != "1"
@@ -124,19 +129,25 @@ def _bf16_words(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
-              config: GemvConfig, prmt: bool = True) -> torch.Tensor:
-    """bf16 rows x [..., K] @ (qweight [N, K] int8 * scales[:, None])^T + bias -> [..., N] bf16."""
+              config: GemvConfig, prmt: bool = True, gated: bool = False) -> torch.Tensor:
+    """bf16 rows x [..., K] @ (qweight [N, K] int8 * scales[:, None])^T + bias -> [..., N] bf16; gated: silu of the
+    first N / 2 outputs times the last N / 2 -> [..., N / 2]."""
     n, k = qweight.shape
     if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,):
         raise ValueError(f"gemv_int8: contiguous int8 qweight [N, K] and scales [{n}] expected")
+    if gated and n % 2:
+        raise ValueError(f"gemv_int8: a gated weight needs an even number of rows, got {n}")
     x_words = _bf16_words(x, k)
     m = x_words.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n = gated_block_n(config.block_n) if gated else config.block_n
+    channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)
+    out = torch.empty(m, channels, dtype=x.dtype, device=x.device)
     k4, words_per_tile = k // 4, config.block_k // 4
     if m:
-        gemv_int8_kernel[(m * triton.cdiv(n, config.block_n),)](
-            x_words, qweight.view(torch.int32), scales, bias if bias is not None else scales, out, m, n, k4,
-            HAS_BIAS=bias is not None, EVEN=n % config.block_n == 0 and k4 % words_per_tile == 0, PRMT=_PRMT and prmt,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        gemv_int8_kernel[(m * triton.cdiv(channels, per_program),)](
+            x_words, qweight.view(torch.int32), scales, bias if bias is not None else scales, out, m, channels, k4,
+            HAS_BIAS=bias is not None, EVEN=channels % per_program == 0 and k4 % words_per_tile == 0,
+            PRMT=_PRMT and prmt, BLOCK_N=block_n, BLOCK_K=config.block_k, GATED=gated, num_warps=config.num_warps,
+            num_stages=config.num_stages, **launch_options(x),
         )
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], channels)

@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_and_mul
 from kernels.gemv import gemv as gemv_rows
-from kernels.gemv_configs import gemv_config
+from kernels.gemv_configs import gated_gemv_config, gemv_config
 from kernels.gemv_int import gemv_int8
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
@@ -79,3 +80,16 @@ def int8_linear(
         lambda dtype: dequantize_int8(qweight, scales, dtype), {},
         gemm=gemm, max_gemv_m=0, max_gemm_m=max_gemm_m,
     )
+
+
+def int8_linear_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up projection with an int8 / float8_e4m3fn weight [2N, K] -> [..., N]: the
+    GEMVs' gated epilogue for up to GEMV_MAX_M rows, else int8_linear then kernels/activation.py."""
+    n, k = qweight.shape
+    m = x.numel() // k if x.shape[-1] == k else 0
+    if m == 1 and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0 and n % 2 == 0:
+        return gemv_int8(x, qweight, scales, bias, config=gated_gemv_config(n, k, m, qweight.dtype), gated=True)
+    if 0 < m <= GEMV_MAX_M and n % 2 == 0 and scales.shape == (n,) and qweight.stride(-1) == 1:
+        return gemv_rows(x, qweight, scales, bias, config=gated_gemv_config(n, k, m, qweight.dtype), gated=True)
+    return silu_and_mul(int8_linear(x, qweight, scales, bias))

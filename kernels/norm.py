@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, wait_for_earlier_kernels
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,7 +24,9 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -78,6 +82,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         num_warps=_num_warps(block),
+        **launch_options(x2),
     )
     return out, summed
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend_tile
+from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.reference import check_kv_scales
 
 LOG2E = math.log2(math.e)
@@ -69,7 +70,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     # KV heads vary fastest: the heads of one sequence run together and read neighbouring pages.
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -142,7 +145,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -292,6 +297,7 @@ def decode_attention(
         KV_QUANT=kv_quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(q),
     )
     if not single:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -307,5 +313,6 @@ def decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
+            **launch_options(q),
         )
     return out

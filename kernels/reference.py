@@ -32,6 +32,12 @@ def add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax: logits [N, V] with V > 0 expected, got shape {tuple(x.shape)}")
+    return x.argmax(dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float()).to(x.dtype)
@@ -74,6 +80,23 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) 
     if cache_dtype == torch.int8:
         return torch.floor(y + 0.5).clamp(-INT8_KV_MAX, INT8_KV_MAX).to(torch.int8)
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def rotary_kv_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rotary_embedding, then store_kv_cache of the rotated k and v; returns the rotated q."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    return q
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

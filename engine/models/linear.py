@@ -33,6 +33,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear_silu_and_mul(x, self.weight, self.bias)
+
     def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
         return shard_tensor(tensor, self.shard_dim, self.tp, is_bias)
@@ -68,6 +71,13 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
+
+
+def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up projection; layers with a fused kernel for it (`forward_silu_and_mul`:
+    the decode GEMVs apply it in their epilogue) run that."""
+    fused = getattr(layer, "forward_silu_and_mul", None)
+    return fused(x) if fused is not None else ops.silu_and_mul(layer(x))
 
 
 def padded_vocab_size(vocab_size: int, tp: TensorParallel) -> int:

@@ -17,6 +17,7 @@ from engine.models.linear import (
     Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gate_up_silu,
     vocab_parallel_logits,
 )
 from engine.models.rope import cos_sin_cache
@@ -67,10 +68,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
-        if self.qk_rotation is not None:  # q R (k R)^T = q k^T
-            q, k = q @ self.qk_rotation, k @ self.qk_rotation
-        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
+        if self.qk_rotation is None:
+            q = ops.rotary_kv_store(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
+        else:
+            q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+            q, k = q @ self.qk_rotation, k @ self.qk_rotation  # q R (k R)^T = q k^T
+            ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
         if meta.decode_only:
             out = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                        self.kv_scales)
@@ -89,7 +92,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):

@@ -69,6 +69,11 @@ class Fp8Linear(ChannelScaledLinear):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode is not None and x.is_cuda and x.numel() // x.shape[-1] <= GEMV_MAX_M:
+            return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias)
+        return ops.silu_and_mul(self(x))
+
     def _rowwise(self, rows: torch.Tensor) -> torch.Tensor:
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX  # [M, 1]
         x8 = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

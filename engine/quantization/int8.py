@@ -22,3 +22,6 @@ class Int8Linear(ChannelScaledLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.int8_linear(x, self.qweight, self.scales, self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias)

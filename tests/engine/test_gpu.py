@@ -104,3 +104,21 @@ def test_async_steps_never_wait_for_the_gpu(tiny_llama_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_dependent_launches_change_no_token(tiny_llama_dir, monkeypatch, quantization):
+    """The decode step's kernels launched with programmatic dependent launch (kernels/pdl.py, on Hopper) decode the
+    same greedy tokens, in bf16 CUDA graphs where the GEMVs run, as the same kernels launched one after another."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 40, 71, 5)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("TOLLGATE_PDL", switch)
+        llm = LLM(tiny_llama_dir, device="cuda", dtype="bfloat16", num_kv_blocks=128, quantization=quantization)
+        # one sequence at a time is batch-1 decode, where the one-row GEMVs run; then all together
+        tokens[switch] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        tokens[switch] += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    assert tokens["1"] == tokens["0"]

@@ -7,7 +7,8 @@ import kernels
 from kernels import reference
 from tests.kernels.helpers import random_paged_kv, rel_err, tolerance
 
-OPS = ["add_rms_norm", "decode_attention", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache"]
+OPS = ["add_rms_norm", "argmax", "decode_attention", "paged_attention", "rms_norm", "rotary_embedding", "rotary_kv_store",
+       "silu_and_mul", "store_kv_cache"]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -25,11 +26,13 @@ def test_triton_available_follows_the_environment(monkeypatch: pytest.MonkeyPatc
         assert kernels.triton_available() is False
 
 
-def test_kernel_module_does_not_shadow_the_op() -> None:
+def test_kernel_modules_do_not_shadow_the_ops() -> None:
     from kernels.paged_attention import decode_attention
 
     assert callable(decode_attention)
-    assert kernels.paged_attention.__module__ == "kernels"
+    kernels._triton_modules()  # imports every kernel module into the package
+    for name in kernels.__all__:
+        assert getattr(kernels, name).__module__ == "kernels", name
 
 
 def test_cpu_tensors_use_the_reference() -> None:

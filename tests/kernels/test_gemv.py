@@ -55,6 +55,25 @@ def test_gemv_bias_and_leading_dims(device: torch.device, weight_dtype: torch.dt
     assert rel_err(out, expected(x, w, scales, bias)) < 1e-5
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 2 * 37, 200), (3, 2 * 24, 96)])
+@pytest.mark.parametrize("config", SMALL, ids=["bn4", "bn1"])
+def test_gated_gemv_equals_gemv_then_silu(device: torch.device, weight_dtype: torch.dtype, m: int, n: int, k: int,
+                                          config: GemvConfig) -> None:
+    """gated=True: silu(gate) * up of a fused [gate; up] weight, bit for bit what the plain GEMV followed by the SiLU
+    kernel gives, and close to the float32 reference."""
+    from kernels.activation import silu_and_mul
+
+    w, scales = random_weight(n, k, weight_dtype, device)
+    bias = torch.randn(n, device=device)
+    x = torch.randn(m, k, device=device).to(torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
+    with poisoned_outputs():
+        out = gemv(x, w, scales, bias, config=config, gated=True)
+    assert out.shape == (m, n // 2)
+    assert torch.equal(out, silu_and_mul(gemv(x, w, scales, bias, config=config)))
+    assert rel_err(out, reference.silu_and_mul(expected(x, w, scales, bias))) < tolerance(x.dtype)
+
+
 def test_gemv_rejects_bad_shapes(device: torch.device) -> None:
     w = torch.randn(6, 32, device=device)
     with pytest.raises(ValueError, match="gemv: x"):
@@ -62,6 +81,8 @@ def test_gemv_rejects_bad_shapes(device: torch.device) -> None:
     with pytest.raises(ValueError, match="scales of shape"):
         gemv(torch.randn(1, 32, device=device), w, torch.ones(5, device=device))
     assert gemv(torch.randn(0, 32, device=device), w).shape == (0, 6)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv(torch.randn(1, 32, device=device), w[:5], gated=True)
 
 
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)]  # qkv, o, gate_up, down, down / 2
@@ -99,3 +120,38 @@ def test_linear_op_takes_the_gemv_for_one_row() -> None:
     assert rel_err(out, expected(x, w, None, bias)) < tolerance(torch.bfloat16)
     rows = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
     assert rel_err(kernels.linear(rows, w, bias), expected(rows, w, None, bias)) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [28672, 14336])  # Llama-3-8B's gate_up, whole and its TP = 2 shard
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_gate_up_silu_ops_in_a_graph(n: int, weight_dtype: torch.dtype) -> None:
+    """kernels.linear_silu_and_mul / int8_linear_silu_and_mul at one row, captured in a CUDA graph with the shipped
+    configuration, against the projection followed by the SiLU kernel (a gated program may read twice the rows of the
+    plain one, which can change the order of its sums) and against float32; four rows equal the unfused path."""
+    import kernels
+
+    w, scales = random_weight(n, 4096, weight_dtype, torch.device("cuda"))
+    if weight_dtype == torch.bfloat16:
+        w = w * 0.02
+
+    def fused(rows: torch.Tensor) -> torch.Tensor:
+        if scales is None:
+            return kernels.linear_silu_and_mul(rows, w)
+        return kernels.int8_linear_silu_and_mul(rows, w, scales, None)
+
+    def unfused(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_and_mul(kernels.linear(rows, w) if scales is None else
+                                    kernels.int8_linear(rows, w, scales, None))
+
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    fused(x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x)
+    x.normal_()
+    graph.replay()
+    assert out.shape == (1, n // 2) and rel_err(out, unfused(x)) < 1e-2
+    assert rel_err(out, reference.silu_and_mul(expected(x, w, scales, None))) < tolerance(torch.bfloat16)
+    rows = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fused(rows), unfused(rows))

@@ -59,6 +59,24 @@ def test_gemv_int8_unaligned_and_leading_dims(device: torch.device) -> None:
     assert rel_err(out, expected(x.reshape(2, 64), q, scales, None).view(2, 1, 10)) < 8e-3
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 2 * 37, 200), (2, 2 * 12, 452)])
+@pytest.mark.parametrize("config", SMALL, ids=["bn4", "bn1"])
+def test_gated_gemv_int8_equals_gemv_then_silu(device: torch.device, m: int, n: int, k: int, config: GemvConfig) -> None:
+    """gated=True: silu(gate) * up of a fused [gate; up] int8 weight, bit for bit the plain GEMV then the SiLU kernel."""
+    from kernels.activation import silu_and_mul
+
+    q, scales = int8_weight(n, k, device)
+    bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    with poisoned_outputs():
+        out = gemv_int8(x, q, scales, bias, config=config, gated=True)
+    assert out.shape == (m, n // 2)
+    assert torch.equal(out, silu_and_mul(gemv_int8(x, q, scales, bias, config=config)))
+    assert rel_err(out, reference.silu_and_mul(expected(x, q, scales, bias))) < 2e-2
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv_int8(x, q[:-1].contiguous(), scales[:-1], config=config, gated=True)
+
+
 def test_gemv_int8_rejects_bad_inputs(device: torch.device) -> None:
     q, scales = int8_weight(6, 32, device)
     with pytest.raises(ValueError, match="bf16 rows of 32"):
