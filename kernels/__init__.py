@@ -1,8 +1,9 @@
 """Ops used by the engine: Triton kernels on CUDA, the PyTorch references in `reference.py` elsewhere.
 
 Each op takes the Triton path when its tensors are on CUDA and Triton imports; the environment
-variable TOLLGATE_KERNELS=reference forces the references. Triton and the kernel modules are imported
-on the first CUDA call, so CPU-only processes never import Triton.
+variable TOLLGATE_KERNELS=reference forces the references. On Hopper the kernels of a decode step launch with
+programmatic dependent launch (kernels/pdl.py; TOLLGATE_PDL=0 turns it off). Triton and the kernel modules are
+imported on the first CUDA call, so CPU-only processes never import Triton.
 
 kernels.paged_attention is the op below, not the module kernels/paged_attention.py (the decode
 kernel): import from that module with `from kernels.paged_attention import decode_attention`.
