@@ -2,8 +2,8 @@
 by tensor parallelism, and its LM head (`python bench/gemv.py --sweep`; BENCHMARKS.md). kernels/gemv.py (bf16, fp8):
 one output channel per program won everywhere at M = 1; the rule is within 1.5% of each shape's best (2.6% on the
 LM head). kernels/gemv_int.py (int8): 4-16 channels per program won, sharing the decoded activations; the rule picks
-each layer's best of a second sweep (within 0.2% on the wide layers in the first). The gated GEMVs (gate_up with the SiLU fused,
-`--sweep-gated`) have rules of their own."""
+each layer's best of a second sweep (within 0.2% on the wide layers in the first). The gated GEMVs (gate_up with
+the SiLU fused, `--sweep-gated`) have rules of their own."""
 
 from __future__ import annotations
 

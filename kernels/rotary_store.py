@@ -48,7 +48,8 @@ def _rotary_kv_store_kernel(
         return
     heads = tl.arange(0, KV_HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
-    page = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    slot_offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    page = slot_offset + heads[:, None] * stride_ch + dims[None, :]
     k_scale = tl.load(kv_scales_ptr + heads, mask=(heads < NUM_KV_HEADS) & (QUANT != 0), other=1.0)
     v_scale = tl.load(kv_scales_ptr + NUM_KV_HEADS + heads, mask=(heads < NUM_KV_HEADS) & (QUANT != 0), other=1.0)
     k_lo, k_hi, mask = rotated_heads(k_ptr, token, cos, sin, stride_kt, stride_kh, NUM_KV_HEADS, KV_HEADS_PAD,
