@@ -33,7 +33,7 @@ def rotated_heads(
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     src_ptr,
     dst_ptr,
     token,
@@ -96,11 +96,11 @@ def _rotary_kernel(
     wait_for_earlier_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = cos_sin_of(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, HALF_PAD)
-    _rotate_heads(
+    rotate_heads(
         q_ptr, q_out_ptr, token, cos, sin, stride_qt, stride_qh, stride_qot, stride_qoh,
         NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD,
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr, k_out_ptr, token, cos, sin, stride_kt, stride_kh, stride_kot, stride_koh,
         NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD,
     )

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels.cache_ops import check_cache_inputs, quantize
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.rotary import _rotate_heads, check_rotary_inputs, cos_sin_of, rotated_heads
+from kernels.rotary import check_rotary_inputs, cos_sin_of, rotate_heads, rotated_heads
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _rotary_kv_store_kernel(
     wait_for_earlier_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = cos_sin_of(positions_ptr, token, cos_sin_ptr, stride_cos, HALF, HALF_PAD)
-    _rotate_heads(q_ptr, q_out_ptr, token, cos, sin, stride_qt, stride_qh, stride_qot, stride_qoh,
+    rotate_heads(q_ptr, q_out_ptr, token, cos, sin, stride_qt, stride_qh, stride_qot, stride_qoh,
                   NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
