@@ -240,7 +240,7 @@ def int8_linear_silu_and_mul(
 ) -> torch.Tensor:
     """silu_and_mul(int8_linear(...)) for a fused gate_up weight [2N, K] -> [..., N], in the GEMV at decode sizes."""
     if ops := _triton_for(x):
-        return ops.int8_matmul.int8_linear_silu_and_mul(x, qweight, scales, bias)
+        return ops.int8_matmul.int8_linear(x, qweight, scales, bias, gated=True)
     return _ref.silu_and_mul(_ref.int8_linear(x, qweight, scales, bias))
 
 

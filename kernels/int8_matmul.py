@@ -60,36 +60,28 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
     *,
+    gated: bool = False,
     gemv: GemvConfig | None = None,
     gemm: GemmConfig | None = None,
     max_gemv_m: int = GEMV_MAX_M,
     max_gemm_m: int = GEMM_MAX_M,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight [N, K] int8 or float8_e4m3fn, scales [N] float32)^T + bias -> [..., N].
-    Without a GEMV config, the one kernels/gemv_configs.py gives for the shape."""
+    gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection), in the
+    GEMVs' epilogue, after the GEMM through kernels/activation.py. Without a GEMV config, the one
+    kernels/gemv_configs.py gives for the shape."""
     n, k = qweight.shape
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
     m = x.numel() // k
+    rule = gated_gemv_config if gated else gemv_config
     if m == 1 and max_gemv_m and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0:
-        return gemv_int8(x, qweight, scales, bias, config=gemv or gemv_config(n, k, m, qweight.dtype))
+        return gemv_int8(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated)
     if 0 < m <= max_gemv_m:
-        return gemv_rows(x, qweight, scales, bias, config=gemv or gemv_config(n, k, m, qweight.dtype))
-    return launch_quant_linear(
+        return gemv_rows(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated)
+    out = launch_quant_linear(
         _INT8_KERNELS, x, (qweight, scales), (qweight.stride(0),), n, bias,
         lambda dtype: dequantize_int8(qweight, scales, dtype), {},
         gemm=gemm, max_gemv_m=0, max_gemm_m=max_gemm_m,
     )
-
-
-def int8_linear_silu_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                             bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(gate) * up of a fused gate_up projection with an int8 / float8_e4m3fn weight [2N, K] -> [..., N]: the
-    GEMVs' gated epilogue for up to GEMV_MAX_M rows, else int8_linear then kernels/activation.py."""
-    n, k = qweight.shape
-    m = x.numel() // k if x.shape[-1] == k else 0
-    if m == 1 and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0 and n % 2 == 0:
-        return gemv_int8(x, qweight, scales, bias, config=gated_gemv_config(n, k, m, qweight.dtype), gated=True)
-    if 0 < m <= GEMV_MAX_M and n % 2 == 0 and scales.shape == (n,) and qweight.stride(-1) == 1:
-        return gemv_rows(x, qweight, scales, bias, config=gated_gemv_config(n, k, m, qweight.dtype), gated=True)
-    return silu_and_mul(int8_linear(x, qweight, scales, bias))
+    return silu_and_mul(out) if gated else out

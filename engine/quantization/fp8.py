@@ -58,9 +58,9 @@ class Fp8Linear(ChannelScaledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.is_cuda and rows.shape[0] <= GEMV_MAX_M:
+        if self._decode_rows(x):
             return ops.int8_linear(x, self.qweight, self.scales, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
         if self.mode == "rowwise" and x.dtype == torch.bfloat16:
             out = self._rowwise(rows)
         else:
@@ -70,9 +70,14 @@ class Fp8Linear(ChannelScaledLinear):
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is not None and x.is_cuda and x.numel() // x.shape[-1] <= GEMV_MAX_M:
+        if self.mode is not None and self._decode_rows(x):
             return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias)
         return ops.silu_and_mul(self(x))
+
+    @staticmethod
+    def _decode_rows(x: torch.Tensor) -> bool:
+        """Few enough rows on a GPU for the fp8 GEMV (torch._scaled_mm has none)."""
+        return x.is_cuda and x.numel() // x.shape[-1] <= GEMV_MAX_M
 
     def _rowwise(self, rows: torch.Tensor) -> torch.Tensor:
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX  # [M, 1]

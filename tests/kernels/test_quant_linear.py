@@ -45,6 +45,21 @@ def test_int8_linear(device: torch.device, m: int, with_bias: bool) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 3, 11, 70])
+def test_int8_linear_gated(device: torch.device, m: int) -> None:
+    """gated=True on a fused [gate; up] weight: silu(gate) * up through every path (GEMV epilogue, GEMM then the SiLU
+    kernel, dequantize + F.linear then the SiLU kernel)."""
+    n, k = 2 * 19, 200
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    scales = torch.rand(n, device=device) * 0.01 + 1e-4
+    bias = torch.randn(n, device=device)
+    x = torch.randn(m, k, device=device)
+    with poisoned_outputs():
+        out = int8_linear(x, qweight, scales, bias, gated=True, **SMALL_LIMITS)
+    assert out.shape == (m, n // 2)
+    assert rel_err(out, reference.silu_and_mul(reference.int8_linear(x, qweight, scales, bias))) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 3, 11, 70])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(29, 192, 32), (16, 256, 128), (9, 64, 64)])
 def test_int4_linear(device: torch.device, m: int, n: int, k: int, group_size: int) -> None:
     qweight, scales, zeros = random_int4(n, k, group_size, device)
