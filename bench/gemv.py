@@ -1,6 +1,7 @@
-"""Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights) and kernels/gemv_int.py (int8 weights
-decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks), against cuBLAS
-(F.linear) on bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel
+"""Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights), kernels/gemv_int.py (int8 weights
+decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks) and kernels/gemv_int4.py
+(int4 in groups of 128, half2 arithmetic; "int4_tinygemm" times torch's tinygemm kernel on the same weight), against
+cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel
 halves) and its LM head, one token (M = 1) unless told otherwise.
 
     python bench/gemv.py --json gemv.json                 # the shipped configurations
@@ -31,8 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
-from kernels.gemv_configs import gated_gemv_config, gemv_config  # noqa: E402
+from kernels.gemv_configs import gated_gemv_config, gemv_config, int4_gemv_config  # noqa: E402
 from kernels.gemv_int import gemv_int8  # noqa: E402
+from kernels.gemv_int4 import gemv_int4  # noqa: E402
+from kernels.int4_tinygemm import pack_for_tinygemm, tinygemm_linear  # noqa: E402
+from kernels.reference import dequantize_int4  # noqa: E402
 from kernels.quant_linear_config import GemvConfig  # noqa: E402
 
 # (name, N, K): Llama-3-8B's fused projections, then their halves under TP = 2, then the LM head.
@@ -41,14 +45,16 @@ SHAPES = [
     ("qkv_tp2", 3072, 4096), ("o_proj_tp2", 4096, 2048), ("gate_up_tp2", 14336, 4096), ("down_tp2", 4096, 7168),
     ("lm_head", 128256, 4096),
 ]
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int8_shifts": torch.int8, "fp8": torch.float8_e4m3fn}
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int8_shifts": torch.int8, "fp8": torch.float8_e4m3fn,
+                 "int4": torch.int32, "int4_tinygemm": torch.int32}
+INT4_GROUP = 128
 LAUNCHES = 64
 L2_FLUSH_BYTES = 512 << 20
 
 
 def sweep_grid() -> list[GemvConfig]:
     grid = []
-    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048, 4096), (1, 2, 4, 8),
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048, 4096), (1, 2, 4, 8),
                                                    (1, 3)):
         per_thread = bn * bk // (32 * warps)
         if 4 <= per_thread <= 64 and (bk <= 2048 or stages == 1):
@@ -57,7 +63,13 @@ def sweep_grid() -> list[GemvConfig]:
 
 
 def random_weight(n: int, k: int, dtype: str) -> tuple[torch.Tensor, ...]:
-    """The tensors of one random weight: (w,) or (q, channel scales)."""
+    """The tensors of one random weight: (w,), (q, channel scales), (q, group scales, zero points) or tinygemm's
+    (packed weight, scales and zeros)."""
+    if dtype.startswith("int4"):
+        q = torch.randint(-2**31, 2**31, (n, k // 8), dtype=torch.int32, device="cuda")
+        scales = torch.rand(n, k // INT4_GROUP, device="cuda") * 1e-3
+        zeros = torch.randint(0, 16, (n, k // INT4_GROUP), dtype=torch.uint8, device="cuda")
+        return pack_for_tinygemm(q, scales, zeros) if dtype == "int4_tinygemm" else (q, scales, zeros)
     if dtype.startswith("int8"):
         return torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda"), torch.rand(n, device="cuda") * 1e-2
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -65,17 +77,28 @@ def random_weight(n: int, k: int, dtype: str) -> tuple[torch.Tensor, ...]:
 
 
 def dequantized(weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if len(weight) == 3:
+        return dequantize_int4(*weight, INT4_GROUP, torch.float32)
     return weight[0].float() * (weight[1][:, None] if len(weight) > 1 else 1.0)
 
 
 def gemv_of(dtype: str, gated: bool = False) -> Callable[..., torch.Tensor]:
     """kind -> f(x, weight tensors, config); gated: the fused gate_up's silu(gate) * up."""
+    if dtype == "int4_tinygemm":  # no configuration; gated: followed by the SiLU kernel
+        plain = lambda x, w, cfg: tinygemm_linear(x, *w, INT4_GROUP, None)  # noqa: E731
+        return (lambda x, w, cfg: silu_and_mul(plain(x, w, cfg))) if gated else plain
+    if dtype == "int4":
+        return lambda x, w, cfg: gemv_int4(x, *w, INT4_GROUP, config=cfg, gated=gated)
     if dtype.startswith("int8"):
         return lambda x, w, cfg: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8", gated=gated)
     return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg, gated=gated)
 
 
 def takes(dtype: str, cfg: GemvConfig) -> bool:
+    if dtype == "int4_tinygemm":
+        return False  # nothing to configure
+    if dtype == "int4":  # a thread's share of a tile: 1 to 16 words of eight weights
+        return cfg.block_k >= INT4_GROUP and 1 <= cfg.block_n * cfg.block_k // (256 * cfg.num_warps) <= 16
     return not dtype.startswith("int8") or cfg.num_stages == 1  # no loads in its loop for num_stages to pipeline
 
 
@@ -111,8 +134,11 @@ class Layer:
         return sorted(times)[len(times) // 2]
 
     def gemv_call(self, cfg: GemvConfig | None, gated: bool = False) -> Callable[[tuple[torch.Tensor, ...]], object]:
-        rule = gated_gemv_config if gated else gemv_config
-        cfg = cfg or rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
+        if self.dtype == "int4":
+            cfg = cfg or int4_gemv_config(self.n, self.k, gated)
+        else:
+            rule = gated_gemv_config if gated else gemv_config
+            cfg = cfg or rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
         run = gemv_of(self.dtype, gated)
         return lambda w: run(self.x, w, cfg)
 
@@ -120,6 +146,8 @@ class Layer:
         """Largest difference of the shipped configuration to dequantize-then-matmul in float32, relative to the
         output's scale."""
         w = self.weights[0]
+        if self.dtype == "int4_tinygemm":
+            return float("nan")  # its packed weight has no reference here; tests/kernels/test_int4_tinygemm.py
         ref = F.linear(self.x.float(), dequantized(w))
         ours = self.gemv_call(None)(w).float()
         return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
@@ -172,8 +200,8 @@ def main() -> None:
                "max_rel_err": layer.check()}
         row["baseline_us"] = cublas_us(n, k, m)
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
-        row["gemv_config"] = vars(gemv_config(n, k, m, WEIGHT_DTYPES[dtype]))
-        if grid:
+        row["gemv_config"] = vars(int4_gemv_config(n, k) if dtype == "int4" else gemv_config(n, k, m, WEIGHT_DTYPES[dtype]))
+        if grid and any(takes(dtype, c) for c in grid):
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),
                            key=lambda t: t[0])
             row["best_us"], best = timed[0]
@@ -185,7 +213,7 @@ def main() -> None:
             row["gated_us"] = layer.per_launch_us(layer.gemv_call(None, gated=True))
             print(f"{dtype:5s} m={m} {name:12s} gemv + SiLU kernel {row['unfused_silu_us']:7.2f} us  "
                   f"gated gemv {row['gated_us']:7.2f} us", flush=True)
-            if gated_grid:
+            if gated_grid and any(takes(dtype, c) for c in gated_grid):
                 timed = sorted(((layer.per_launch_us(layer.gemv_call(c, gated=True)), c) for c in gated_grid
                                 if takes(dtype, c)), key=lambda t: t[0])
                 row["gated_best_us"], best = timed[0]
@@ -197,7 +225,8 @@ def main() -> None:
         print(f"{dtype:5s} m={m} {name:12s} cuBLAS bf16 {row['baseline_us']:7.2f} us ({cublas_tb_s:.2f} TB/s)"
               f"  gemv {row['gemv_us']:7.2f} us ({tb_s(row['gemv_us']):.2f} TB/s, "
               f"{row['baseline_us'] / row['gemv_us']:.3f}x)"
-              + (f"  best {row['best_us']:7.2f} us ({tb_s(row['best_us']):.2f} TB/s) {row['best_config']}" if grid else "")
+              + (f"  best {row['best_us']:7.2f} us ({tb_s(row['best_us']):.2f} TB/s) {row['best_config']}"
+                 if "best_us" in row else "")
               + f"  err {row['max_rel_err']:.1e}", flush=True)
         results.append(row)
         del layer

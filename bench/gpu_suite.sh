@@ -60,7 +60,7 @@ if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   step throughput_1b_tp2 100 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 256 \
     "${WORKLOAD[@]}" --max-model-len 4096 --tensor-parallel-size 2 --json "$RESULTS/throughput_1b_tp2.json"
 fi
-step gemv 45 "$PY" bench/gemv.py --json "$RESULTS/gemv.json"
+step gemv 60 "$PY" bench/gemv.py --json "$RESULTS/gemv.json"
 
 ROWS=""
 "$PY" -m bench.chart "$RESULTS" --out "$RESULTS/benchmarks.svg" || true

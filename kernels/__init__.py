@@ -251,8 +251,12 @@ def int4_linear(
     zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
+    *,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] times the int4 weight (qweight [N, K/8] int32, scales / zeros [N, K/G]), plus bias."""
+    """x [..., K] times the int4 weight (qweight [N, K/8] int32, scales / zeros [N, K/G]), plus bias; gated: silu(gate)
+    * up of a fused gate_up weight [2N, K] -> [..., N], in the GEMV at one row."""
     if ops := _triton_for(x):
-        return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias)
-    return _ref.int4_linear(x, qweight, scales, zeros, group_size, bias)
+        return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias, gated=gated)
+    out = _ref.int4_linear(x, qweight, scales, zeros, group_size, bias)
+    return _ref.silu_and_mul(out) if gated else out

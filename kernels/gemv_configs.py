@@ -50,3 +50,12 @@ def gated_gemv_config(n: int, k: int, m: int, weight_dtype: torch.dtype) -> Gemv
     if weight_dtype.itemsize == 1:
         return GemvConfig(block_n=16, block_k=128, num_warps=8)
     return GemvConfig(block_n=2, block_k=2048, num_warps=2, num_stages=3)
+
+
+def int4_gemv_config(n: int, k: int, gated: bool = False) -> GemvConfig:
+    """kernels/gemv_int4.py at one row, from a sweep (BENCHMARKS.md): 16 channels a program over 1024-wide tiles
+    (within 2% of each layer's best, plain and gated), 4 channels over 2048-wide tiles where those divide K and the
+    layer is no wider than deep (o_proj, down_proj and TP = 2's qkv: 7-9% faster there)."""
+    if not gated and k % 2048 == 0 and n <= k:
+        return GemvConfig(block_n=4, block_k=2048, num_warps=4)
+    return GemvConfig(block_n=16, block_k=1024, num_warps=8)

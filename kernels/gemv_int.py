@@ -5,8 +5,8 @@ Converting int8 to float is slower than an FMA, which capped the byte-wise GEMV 
 of int8 weight. Here a 32-bit word of weight is read whole and each byte, its sign bit flipped (v + 128), is moved
 into the low mantissa bits of the float 2**23 (one XOR per word and one PRMT per byte, in inline PTX; shifts and
 masks under the interpreter), so the float is 2**23 + v + 128 and one subtraction leaves v exactly. The bf16
-activations are read four to a 64-bit word; a bf16 is the high half of a float32, so each is one shift or mask
-away. Each program owns BLOCK_N output channels, which share the decoded activations.
+activations are read four to a 64-bit word (kernels/bf16_words.py). Each program owns BLOCK_N output channels,
+which share the decoded activations.
 
 Layout: qweight [N, K] int8 with a float32 scale per output channel (applied once per output)."""
 
@@ -18,21 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.bf16_words import bf16_quad, bf16_words
 from kernels.gemv_rows import gated_block_n, program_rows, store_outputs
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
 MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits read as an unsigned integer
 MAGIC_BITS = tl.constexpr(0x4B000000)
-
-
-@triton.jit
-def _bf16_pairs(words):
-    """int64 words of four bf16 (lowest first) -> the four values as float32."""
-    lo = words.to(tl.int32)
-    hi = (words >> 32).to(tl.int32)
-    return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
-            (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -94,7 +86,7 @@ def gemv_int8_kernel(
         else:
             xw = tl.load(x_ptr + j, mask=j < K4, other=0)
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < K4)[None, :], other=0)
-        x0, x1, x2, x3 = _bf16_pairs(xw)
+        x0, x1, x2, x3 = bf16_quad(xw)
         if PRMT:
             b0, b1, b2, b3 = _int8_bytes_prmt(w)
             acc += (b0 - (MAGIC + 128.0)) * x0[None, :]
@@ -116,18 +108,6 @@ def gemv_int8_kernel(
 _PRMT = os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _bf16_words(x: torch.Tensor, k: int) -> torch.Tensor:
-    """bf16 rows x [..., K] as [M, K/4] int64 words of four values (copied when not contiguous and 8-byte aligned)."""
-    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-        raise ValueError(f"gemv_int8: bf16 rows of {k} values expected, got {x.dtype} of shape {tuple(x.shape)}")
-    if k % 4:
-        raise ValueError(f"gemv_int8: K = {k} is not a multiple of 4")
-    rows = x.reshape(-1, k)
-    if not rows.is_contiguous() or rows.data_ptr() % 8:
-        rows = rows.clone(memory_format=torch.contiguous_format)
-    return rows.view(torch.int64)
-
-
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
               config: GemvConfig, prmt: bool = True, gated: bool = False) -> torch.Tensor:
     """bf16 rows x [..., K] @ (qweight [N, K] int8 * scales[:, None])^T + bias -> [..., N] bf16; gated: silu of the
@@ -137,7 +117,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
         raise ValueError(f"gemv_int8: contiguous int8 qweight [N, K] and scales [{n}] expected")
     if gated and n % 2:
         raise ValueError(f"gemv_int8: a gated weight needs an even number of rows, got {n}")
-    x_words = _bf16_words(x, k)
+    x_words = bf16_words(x, k, "gemv_int8")
     m = x_words.shape[0]
     block_n = gated_block_n(config.block_n) if gated else config.block_n
     channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)

@@ -2,10 +2,12 @@
 W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], q packed eight to an int32 along K
 (qweight [N, K/8], nibble i of word j is column 8j + i; see kernels/reference.py).
 
-The GEMV turns nibbles into floats without an int-to-float conversion (a quarter-rate instruction
-that would bound the kernel below DRAM bandwidth): the nibble is OR-ed into the top mantissa bits of
-16.0, giving the float 16 + q exactly. Per word it then applies scale and zero point once:
-sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i)."""
+One bf16 row runs kernels/gemv_int4.py. Up to GEMV_MAX_M rows of any float dtype run the float32 GEMV here,
+which turns nibbles into floats without an int-to-float conversion: the nibble is OR-ed into the top mantissa
+bits of 16.0, giving the float 16 + q exactly, and per word scale and zero point apply once:
+sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i). More rows dequantize the weight
+in one pass and call cuBLAS: on an H200 that took 50 us at 128 rows of Llama-3-8B's qkv where a tensor-core GEMM
+dequantizing tiles in registers took 1.4 ms (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
+from kernels.activation import silu_and_mul
+from kernels.gemv_configs import int4_gemv_config
+from kernels.gemv_int4 import gemv_int4, gemv_int4_fits
+from kernels.quant_linear_config import GEMV_MAX_M, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
 
 
@@ -86,37 +91,6 @@ def _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk, rn, stride_qn, stride_s
 
 
 @triton.jit
-def _int4_gemm_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
-    GROUP_SIZE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptrs, mask=(rm < M)[:, None] & (rk + k0 < K)[None, :], other=0.0)
-        b = _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk + k0, rn, stride_qn, stride_sn, stride_zn, K, N,
-                              GROUP_SIZE)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
 def _int4_dequantize_kernel(
     qw_ptr, scales_ptr, zeros_ptr, out_ptr,
     N, K,
@@ -132,7 +106,7 @@ def _int4_dequantize_kernel(
     tl.store(ptrs, w_t.to(out_ptr.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
-_INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=_int4_gemm_kernel)
+_INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=None)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
@@ -170,16 +144,23 @@ def int4_linear(
     group_size: int,
     bias: torch.Tensor | None,
     *,
+    gated: bool = False,
     gemv: GemvConfig | None = None,
-    gemm: GemmConfig | None = None,
     max_gemv_m: int = GEMV_MAX_M,
-    max_gemm_m: int = GEMM_MAX_M,
 ) -> torch.Tensor:
-    """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype.
-    Without configs, the GEMV is autotuned on CUDA per (N, K)."""
-    n, _ = _check(x, qweight, scales, zeros, group_size)
-    return launch_quant_linear(
+    """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype: one bf16 row through
+    kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
+    float32 GEMV (autotuned on CUDA per (N, K) without a config), more through dequantize + cuBLAS. gated: silu of
+    the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection)."""
+    n, k = _check(x, qweight, scales, zeros, group_size)
+    if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16 and gemv_int4_fits(k, group_size)
+            and qweight.is_contiguous() and scales.dtype == torch.float32 and zeros.dtype == torch.uint8
+            and scales.is_contiguous() and zeros.is_contiguous()):
+        return gemv_int4(x, qweight, scales, zeros, group_size, bias, config=gemv or int4_gemv_config(n, k, gated),
+                         gated=gated)
+    out = launch_quant_linear(
         _INT4_KERNELS, x, (qweight, scales, zeros), (qweight.stride(0), scales.stride(0), zeros.stride(0)), n, bias,
         lambda dtype: dequantize_int4(qweight, scales, zeros, group_size, dtype), {"GROUP_SIZE": group_size},
-        gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
+        gemv=gemv, max_gemv_m=max_gemv_m, max_gemm_m=max_gemv_m,
     )
+    return silu_and_mul(out) if gated else out

@@ -38,9 +38,9 @@ class QuantLinearKernels:
     """The Triton kernels of one quantization scheme. Each takes (x, *weight, bias, out, M, N, K, stride of x,
     *weight strides, stride of out) and the constexprs HAS_BIAS and BLOCK_*; the GEMM also DOT_PRECISION."""
 
-    gemv: Any  # triton.JITFunction with BLOCK_N, BLOCK_K
+    gemv: Any  # triton.JITFunction with BLOCK_N, BLOCK_K; None for int8 (its GEMVs are routed before this)
     gemv_autotuned: Any  # the GEMV under triton.autotune over BLOCK_N, BLOCK_K, keyed on (N, K)
-    gemm: Any  # triton.JITFunction with BLOCK_M, BLOCK_N, BLOCK_K
+    gemm: Any  # triton.JITFunction with BLOCK_M, BLOCK_N, BLOCK_K; None for int4 (max_gemm_m = max_gemv_m)
 
 
 def launch_quant_linear(

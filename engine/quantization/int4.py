@@ -52,7 +52,7 @@ class Int4Linear(nn.Module):
         self.scales = nn.Parameter(scales.float(), requires_grad=False)
         self.zeros = nn.Parameter(zeros, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # tinygemm's copy of the weight for decode on a GPU (prepare_for_decode); None elsewhere
+        # tinygemm's copy of the weight for decode batches of 2-16 rows on a GPU (prepare_for_decode); None elsewhere
         self.tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
         # under tensor parallelism, the slice of a checkpoint's tensors this rank loads (see shard_of)
         self.tp = SINGLE
@@ -106,6 +106,13 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tinygemm is not None and x.dtype == torch.bfloat16 and x.numel() <= tinygemm.MAX_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.tinygemm is not None and x.dtype == torch.bfloat16 and 1 < rows <= tinygemm.MAX_ROWS:
             return tinygemm.tinygemm_linear(x, *self.tinygemm, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate_up projection; one row on a GPU in the GEMV's epilogue."""
+        if x.numel() == x.shape[-1]:
+            return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, gated=True)
+        return ops.silu_and_mul(self(x))
