@@ -54,8 +54,8 @@ L2_FLUSH_BYTES = 512 << 20
 
 def sweep_grid() -> list[GemvConfig]:
     grid = []
-    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048, 4096), (1, 2, 4, 8),
-                                                   (1, 3)):
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048, 4096),
+                                                   (1, 2, 4, 8), (1, 3)):
         per_thread = bn * bk // (32 * warps)
         if 4 <= per_thread <= 64 and (bk <= 2048 or stages == 1):
             grid.append(GemvConfig(bn, bk, warps, stages))
@@ -200,7 +200,8 @@ def main() -> None:
                "max_rel_err": layer.check()}
         row["baseline_us"] = cublas_us(n, k, m)
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
-        row["gemv_config"] = vars(int4_gemv_config(n, k) if dtype == "int4" else gemv_config(n, k, m, WEIGHT_DTYPES[dtype]))
+        rule = int4_gemv_config(n, k) if dtype == "int4" else gemv_config(n, k, m, WEIGHT_DTYPES[dtype])
+        row["gemv_config"] = vars(rule)
         if grid and any(takes(dtype, c) for c in grid):
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),
                            key=lambda t: t[0])

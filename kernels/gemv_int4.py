@@ -3,10 +3,12 @@ scale and a uint8 zero point per group of K) times bf16 rows, in packed half-pre
 
 Converting nibbles to float32 one at a time takes three integer operations per weight, which bounds a GEMV below
 DRAM bandwidth. Here one LOP3 ORs two nibbles of a word (bits 0-3 and 16-19, or 4-7 and 20-23) into the mantissas
-of a pair of float16 1024.0, giving 1024 + q or 1024 + 16 q in both halves; one half2 subtraction or FMA leaves
-each pair of q exactly, and four half2 FMAs against the activations (rounded to float16 once per program and
-paired to match, (x_i, x_i+4)) give the word's two partial sums, which are added in float32 (inline PTX; the
-same sums in float32 under the interpreter). Per group, s * (sum q x - z * sum x) applies scale and zero point.
+of a pair of float16 1024.0, giving 1024 + q or 1024 + 16 q in both halves, and one half2 subtraction or FMA
+leaves each pair of q exactly. Half2 FMAs against the activations then sum four words of one group at a time into
+two float16 partial sums, added in float32 (one inline-PTX block). The activations are rounded to float16 and
+paired to match, (x_i, x_i+4), in inline PTX once per tile of a program, which shares them between its rows. Per
+group, s * (sum q x - z * sum x) applies scale and zero point. Under the interpreter, and for groups of fewer than
+32, the same sums run in float32 with shifts and masks.
 
 Activations beyond float16's range (65504) do not fit this kernel; decode inputs to linear layers stay far below."""
 
@@ -81,7 +83,7 @@ def _activation_pairs(xa, xb, PTX: tl.constexpr):
 
 @triton.jit
 def _word_dots_shifts(words, p04, p15, p26, p37):
-    """sum_i q_i * x_i over each word's eight nibbles in float32, with shifts and masks (the interpreter's path)."""
+    """sum_i q_i * x_i over each word's eight nibbles in float32 with shifts and masks (interpreter, small groups)."""
     x0, x4 = _half2_parts(p04)
     x1, x5 = _half2_parts(p15)
     x2, x6 = _half2_parts(p26)
@@ -156,7 +158,7 @@ def gemv_int4_kernel(
 ):
     wait_for_earlier_kernels(PDL)
     # x_ptr: rows of x as int64 words of four bf16 [M, 2 * KW]; w_ptr: [N, KW] int32 words of eight nibbles;
-    # scales_ptr / zeros_ptr: [N, G]. Rows of x vary fastest in the grid, so programs sharing a weight tile run together.
+    # scales_ptr / zeros_ptr: [N, G]. Rows of x vary fastest in the grid: programs sharing a weight tile run together.
     WORDS: tl.constexpr = BLOCK_K // 8
     GROUP_WORDS: tl.constexpr = GROUP_SIZE // 8
     GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
