@@ -5,11 +5,13 @@ W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], q packed eight to an
 One bf16 row runs kernels/gemv_int4.py. Up to GEMV_MAX_M rows of any float dtype run the float32 GEMV here,
 which turns nibbles into floats without an int-to-float conversion: the nibble is OR-ed into the top mantissa
 bits of 16.0, giving the float 16 + q exactly, and per word scale and zero point apply once:
-sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i). More rows dequantize the weight
-in one pass and call cuBLAS: on an H200 that took 50 us at 128 rows of Llama-3-8B's qkv where a tensor-core GEMM
-dequantizing tiles in registers took 1.4 ms (BENCHMARKS.md)."""
+sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i). Wide layers (gate_up) at up to 64
+rows run a tensor-core GEMM; other shapes and more rows dequantize the weight in one pass and call cuBLAS, which on
+an H200 beat both that GEMM and tinygemm from 17 rows on the other layers (BENCHMARKS.md)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -18,7 +20,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.gemv_configs import int4_gemv_config
 from kernels.gemv_int4 import gemv_int4, gemv_int4_fits
-from kernels.quant_linear_config import GEMV_MAX_M, GemvConfig
+from kernels.quant_linear_config import GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
 
 
@@ -77,6 +79,50 @@ _int4_gemv_autotuned = autotuned_gemv(
 
 
 @triton.jit
+def _int4_gemm_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides GROUP_SIZE (and so K): each K tile lies in one group
+    DOT_PRECISION: tl.constexpr,
+):
+    # The weight tile is read as [BLOCK_N, BLOCK_K / 8] words along K (contiguous rows), its nibbles spread by shifts
+    # and turned into q - z exactly through the float 2**23 + q; the tensor cores multiply those small integers and
+    # the group's scale multiplies the tile's [BLOCK_M, BLOCK_N] partial sums instead of every weight.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = qw_ptr + rn64[:, None] * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        words = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        group = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0)
+        z = tl.load(zeros_ptr + rn64 * stride_zn + group, mask=n_ok, other=0).to(tl.float32)
+        nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        q_minus_z = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z[:, None, None])
+        b = tl.trans(tl.reshape(q_minus_z, [BLOCK_N, BLOCK_K]).to(a.dtype))
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, rk, rn, stride_qn, stride_sn, stride_zn, K, N,
                       GROUP_SIZE: tl.constexpr):
     """W^T[rk, rn] as float32: [BLOCK_K, BLOCK_N], zero outside the matrix."""
@@ -106,7 +152,16 @@ def _int4_dequantize_kernel(
     tl.store(ptrs, w_t.to(out_ptr.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
-_INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=None)
+_INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=_int4_gemm_kernel)
+# The GEMM beat tinygemm and dequantize + cuBLAS only on wide layers (Llama-3-8B's gate_up, whole and halved) at up
+# to 64 rows on an H200 (BENCHMARKS.md); elsewhere more rows than the GEMV takes dequantize and call cuBLAS.
+GEMM_MIN_N = 14336
+GEMM_MAX_ROWS = 64
+
+
+def int4_gemm_config(m: int) -> GemmConfig:
+    """The tile of the best of six at Llama-3-8B's gate_up: 16 rows up to 16, 64 above."""
+    return GemmConfig(16, 128, 128, 4, 4) if m <= 16 else GemmConfig(64, 128, 128, 4, 3)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
@@ -146,21 +201,30 @@ def int4_linear(
     *,
     gated: bool = False,
     gemv: GemvConfig | None = None,
+    gemm: GemmConfig | None = None,
     max_gemv_m: int = GEMV_MAX_M,
+    max_gemm_m: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype: one bf16 row through
     kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
-    float32 GEMV (autotuned on CUDA per (N, K) without a config), more through dequantize + cuBLAS. gated: silu of
-    the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection)."""
+    float32 GEMV (autotuned on CUDA per (N, K) without a config), up to max_gemm_m (default: GEMM_MAX_ROWS on
+    layers of GEMM_MIN_N outputs or more, else none) through the tensor-core GEMM, more through dequantize + cuBLAS.
+    gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
     if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16 and gemv_int4_fits(k, group_size)
             and qweight.is_contiguous() and scales.dtype == torch.float32 and zeros.dtype == torch.uint8
             and scales.is_contiguous() and zeros.is_contiguous()):
         return gemv_int4(x, qweight, scales, zeros, group_size, bias, config=gemv or int4_gemv_config(n, k, gated),
                          gated=gated)
+    if max_gemm_m is None:
+        max_gemm_m = GEMM_MAX_ROWS if n >= GEMM_MIN_N else max_gemv_m
+    if group_size < 16 or group_size & (group_size - 1):
+        max_gemm_m = max_gemv_m  # the GEMM's K tiles must lie within one group and hold 16 columns
+    cfg = gemm or int4_gemm_config(x.numel() // k if k else 0)
     out = launch_quant_linear(
         _INT4_KERNELS, x, (qweight, scales, zeros), (qweight.stride(0), scales.stride(0), zeros.stride(0)), n, bias,
         lambda dtype: dequantize_int4(qweight, scales, zeros, group_size, dtype), {"GROUP_SIZE": group_size},
-        gemv=gemv, max_gemv_m=max_gemv_m, max_gemm_m=max_gemv_m,
+        gemv=gemv, gemm=replace(cfg, block_k=min(cfg.block_k, group_size)), max_gemv_m=max_gemv_m,
+        max_gemm_m=max_gemm_m,
     )
     return silu_and_mul(out) if gated else out

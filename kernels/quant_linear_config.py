@@ -11,7 +11,8 @@ import torch
 # one bf16 row of int8 through kernels/gemv_int.py; the weight is read once from DRAM, the other rows' programs
 # run next to it and hit L2).
 GEMV_MAX_M = 8
-# GEMV_MAX_M < M <= GEMM_MAX_M: tensor-core GEMM that dequantizes weight tiles in registers (int8; int4 has none).
+# GEMV_MAX_M < M <= GEMM_MAX_M: tensor-core GEMM that dequantizes weight tiles in registers
+# (int4: only on wide layers, see kernels/int4_matmul.py).
 GEMM_MAX_M = 512
 # Above that (long prefills) the layer is compute bound: dequantize the whole weight once, then cuBLAS.
 

@@ -40,7 +40,7 @@ class QuantLinearKernels:
 
     gemv: Any  # triton.JITFunction with BLOCK_N, BLOCK_K; None for int8 (its GEMVs are routed before this)
     gemv_autotuned: Any  # the GEMV under triton.autotune over BLOCK_N, BLOCK_K, keyed on (N, K)
-    gemm: Any  # triton.JITFunction with BLOCK_M, BLOCK_N, BLOCK_K; None for int4 (max_gemm_m = max_gemv_m)
+    gemm: Any  # triton.JITFunction with BLOCK_M, BLOCK_N, BLOCK_K
 
 
 def launch_quant_linear(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -61,6 +62,14 @@ def test_engine_start(tmp_path) -> None:
 
 def test_gpu_suite_parses() -> None:
     subprocess.run(["bash", "-n", str(Path(__file__).parents[2] / "bench" / "gpu_suite.sh")], check=True)
+
+
+def test_gpu_only_kernel_benchmarks_import() -> None:
+    """bench/gemv.py and bench/int4_rows.py time CUDA kernels only; on CPU their imports and arguments are checked."""
+    for script in ("gemv.py", "int4_rows.py"):
+        done = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "bench" / script), "--help"],
+                              capture_output=True, text=True, check=True)
+        assert "usage:" in done.stdout
 
 
 def test_chart_draws_each_result_against_its_goal(tmp_path):

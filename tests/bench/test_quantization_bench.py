@@ -29,3 +29,14 @@ def test_quantization_quality(tmp_path) -> None:
     tiny = result["models"]["random:llama-tiny"]
     assert tiny["positions"] == 30 and set(tiny["modes"]) == {"int8", "kv_fp8"}
     assert all(0.0 <= row["top1_agreement"] <= 1.0 and row["perplexity"] > 1.0 for row in tiny["modes"].values())
+
+
+def test_int4_batched_decode(tmp_path) -> None:
+    from bench import int4_batched_decode
+
+    path = tmp_path / "b.json"
+    result = int4_batched_decode.main(["--model", "random:llama-tiny", "--device", "cpu", "--num-seqs", "3",
+                                       "--prompt-len", "5", "--output-len", "3", "--repeats", "1", "--json", str(path)])
+    assert json.loads(path.read_text()) == result
+    assert set(result["tok_s"]) == {"gemm", "dequantize"} and all(v > 0 for v in result["tok_s"].values())
+    assert int4_batched_decode.int4_matmul.GEMM_MIN_N == int4_batched_decode.VARIANTS["gemm"]  # restored

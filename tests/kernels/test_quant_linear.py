@@ -14,9 +14,8 @@ from kernels.quant_linear_config import GemmConfig, GemvConfig  # noqa: E402
 
 SMALL_GEMV = GemvConfig(block_n=4, block_k=64, num_warps=4)
 SMALL_GEMM = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
-# M <= 4: GEMV; 4 < M <= 64: GEMM (int8); above: dequantize + F.linear
+# M <= 4: GEMV; 4 < M <= 64: GEMM; above: dequantize + F.linear
 SMALL_LIMITS = dict(gemv=SMALL_GEMV, gemm=SMALL_GEMM, max_gemv_m=4, max_gemm_m=64)
-INT4_SMALL_LIMITS = dict(gemv=SMALL_GEMV, max_gemv_m=4)  # M <= 4: GEMV; above: dequantize + F.linear
 
 
 def random_int4(n: int, k: int, group_size: int, device: torch.device):
@@ -67,21 +66,21 @@ def test_int4_linear(device: torch.device, m: int, n: int, k: int, group_size: i
     bias = torch.randn(n, device=device)
     x = torch.randn(m, k, device=device)
     with poisoned_outputs():
-        out = int4_linear(x, qweight, scales, zeros, group_size, bias, **INT4_SMALL_LIMITS)
+        out = int4_linear(x, qweight, scales, zeros, group_size, bias, **SMALL_LIMITS)
     assert rel_err(out, reference.int4_linear(x, qweight, scales, zeros, group_size, bias)) < 1e-5
 
 
 @pytest.mark.parametrize(("m", "dtype"), [(1, torch.bfloat16), (1, torch.float32), (3, torch.float32),
-                                          (11, torch.float32)])
+                                          (11, torch.float32), (70, torch.float32)])
 def test_int4_linear_gated(device: torch.device, m: int, dtype: torch.dtype) -> None:
     """gated=True on a fused [gate; up] int4 weight through every path: the half2 GEMV's epilogue (one bf16 row),
-    the float32 GEMV then the SiLU kernel, dequantize + F.linear then the SiLU kernel."""
+    the float32 GEMV, the GEMM, or dequantize + F.linear, then the SiLU kernel."""
     n, k = 2 * 13, 256
     qweight, scales, zeros = random_int4(n, k, 64, device)
     bias = torch.randn(n, device=device)
     x = torch.randn(m, k, device=device).to(dtype)
     with poisoned_outputs():
-        out = int4_linear(x, qweight, scales, zeros, 64, bias.to(dtype), gated=True, **INT4_SMALL_LIMITS)
+        out = int4_linear(x, qweight, scales, zeros, 64, bias.to(dtype), gated=True, **SMALL_LIMITS)
     assert out.shape == (m, n // 2) and out.dtype == dtype
     want = reference.silu_and_mul(reference.int4_linear(x.float(), qweight, scales, zeros, 64, bias))
     assert rel_err(out, want) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
