@@ -153,8 +153,9 @@ def _int4_dequantize_kernel(
 
 
 _INT4_KERNELS = QuantLinearKernels(gemv=_int4_gemv_kernel, gemv_autotuned=_int4_gemv_autotuned, gemm=_int4_gemm_kernel)
-# The GEMM beat tinygemm and dequantize + cuBLAS only on wide layers (Llama-3-8B's gate_up, whole and halved) at up
-# to 64 rows on an H200 (BENCHMARKS.md); elsewhere more rows than the GEMV takes dequantize and call cuBLAS.
+# The GEMM beat tinygemm and dequantize + cuBLAS only on the widest layer timed (Llama-3-8B's gate_up, 28672 x 4096)
+# at 16-64 rows on an H200 (BENCHMARKS.md); the bound also takes in its TP = 2 half (14336 wide, not timed).
+# Elsewhere more rows than the GEMV takes dequantize and call cuBLAS.
 GEMM_MIN_N = 14336
 GEMM_MAX_ROWS = 64
 
