@@ -49,6 +49,8 @@ step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --d
 step overlap_8b 60 "$PY" -m bench.overlap_profile --model random:llama-8b --device cuda --json "$RESULTS/overlap_8b.json"
 step quantization_8b 130 "$PY" -m bench.quantization_speed --model random:llama-8b --device cuda --output-len 128 \
   --json "$RESULTS/quantization_8b.json"
+step int4_batched_8b 90 "$PY" -m bench.int4_batched_decode --model random:llama-8b --device cuda --num-seqs 32 \
+  --json "$RESULTS/int4_batched_8b.json"
 step spec_decode_8b 90 "$PY" -m bench.spec_decode --mode oracle --model random:llama-8b --device cuda -k 4 \
   --output-len 128 --max-model-len 4096 --max-num-seqs 8 --json "$RESULTS/spec_decode_8b.json"
 if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
@@ -80,7 +82,7 @@ for k, v in r.items():
     if isinstance(v, dict):
         flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
-        "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio",
+        "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio", "gemm_speedup",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
         "nccl_graph_us", "symmetric_graph_us", "wall_ms_per_step", "kernel_ms_per_step")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
