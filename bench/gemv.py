@@ -200,8 +200,11 @@ def main() -> None:
                "max_rel_err": layer.check()}
         row["baseline_us"] = cublas_us(n, k, m)
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
-        rule = int4_gemv_config(n, k) if dtype == "int4" else gemv_config(n, k, m, WEIGHT_DTYPES[dtype])
-        row["gemv_config"] = vars(rule)
+        if dtype.startswith("int4"):
+            shipped = int4_gemv_config(n, k) if dtype == "int4" else None  # tinygemm takes none
+        else:
+            shipped = gemv_config(n, k, m, WEIGHT_DTYPES[dtype])
+        row["gemv_config"] = vars(shipped) if shipped else None
         if grid and any(takes(dtype, c) for c in grid):
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),
                            key=lambda t: t[0])
