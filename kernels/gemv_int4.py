@@ -216,9 +216,16 @@ def gemv_int4_kernel(
 _PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def gemv_int4_fits(k: int, group_size: int) -> bool:
-    """Whether the kernel takes a weight with K inputs in groups of group_size (a power of two from 8 up)."""
-    return group_size >= 8 and group_size & (group_size - 1) == 0 and k % group_size == 0
+def gemv_int4_takes(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether the kernel reads these tensors as they are: contiguous qweight [N, K/8] int32, scales [N, K/G] float32
+    and zeros [N, K/G] uint8, with a group size that is a power of two from 8 up and divides K."""
+    n, kw = qweight.shape
+    k = kw * 8
+    groups = k // group_size if group_size else 0
+    return (qweight.dtype == torch.int32 and qweight.is_contiguous()
+            and group_size >= 8 and group_size & (group_size - 1) == 0 and k % group_size == 0
+            and scales.shape == (n, groups) and zeros.shape == (n, groups) and scales.dtype == torch.float32
+            and zeros.dtype == torch.uint8 and scales.is_contiguous() and zeros.is_contiguous())
 
 
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -229,10 +236,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     multiple of the group size."""
     n, kw = qweight.shape
     k = kw * 8
-    groups = k // group_size if group_size else 0
-    if (qweight.dtype != torch.int32 or not qweight.is_contiguous() or not gemv_int4_fits(k, group_size)
-            or scales.shape != (n, groups) or zeros.shape != (n, groups) or scales.dtype != torch.float32
-            or zeros.dtype != torch.uint8 or not scales.is_contiguous() or not zeros.is_contiguous()):
+    if not gemv_int4_takes(qweight, scales, zeros, group_size):
         raise ValueError(
             f"gemv_int4: contiguous qweight [{n}, K/8] int32, scales [{n}, K/G] float32 and zeros [{n}, K/G] uint8 "
             f"with a power-of-two group size dividing K = {k} expected; got group_size={group_size}"
@@ -241,6 +245,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"gemv_int4: a gated weight needs an even number of rows, got {n}")
     x_words = bf16_words(x, k, "gemv_int4")
     m = x_words.shape[0]
+    groups = k // group_size
     block_n = gated_block_n(config.block_n) if gated else config.block_n
     block_k = max(config.block_k, group_size)
     channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)

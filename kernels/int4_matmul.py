@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul
 from kernels.gemv_configs import int4_gemv_config
-from kernels.gemv_int4 import gemv_int4, gemv_int4_fits
+from kernels.gemv_int4 import gemv_int4, gemv_int4_takes
 from kernels.quant_linear_config import GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
 
@@ -212,9 +212,8 @@ def int4_linear(
     layers of GEMM_MIN_N outputs or more, else none) through the tensor-core GEMM, more through dequantize + cuBLAS.
     gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
-    if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16 and gemv_int4_fits(k, group_size)
-            and qweight.is_contiguous() and scales.dtype == torch.float32 and zeros.dtype == torch.uint8
-            and scales.is_contiguous() and zeros.is_contiguous()):
+    if x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16 and gemv_int4_takes(qweight, scales, zeros,
+                                                                                        group_size):
         return gemv_int4(x, qweight, scales, zeros, group_size, bias, config=gemv or int4_gemv_config(n, k, gated),
                          gated=gated)
     if max_gemm_m is None:
