@@ -369,6 +369,7 @@ class LLMEngine:
         workers, self.workers = self.workers, None
         if workers is None:
             return
+        workers.tp.release_peer_buffers()  # before the workers, whose buffers this process maps, exit
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.stop_workers()

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import kernels as ops
+
 
 @dataclass
 class TensorParallel:
@@ -21,6 +23,7 @@ class TensorParallel:
     device_group: Any = None  # NCCL on GPUs, gloo on CPU: the collectives inside the forward pass
     cpu_group: Any = None  # gloo: host-side messages (each step's inputs, the KV pool size)
     fast_all_reduce: Any = None  # SymmetricAllReduce for small bf16 tensors on GPUs, when it works
+    fused_norm: Any = None  # FusedAllReduceNorm (engine/distributed/peer_exchange.py) on GPUs, when it works
 
     @property
     def is_driver(self) -> bool:
@@ -39,6 +42,17 @@ class TensorParallel:
             return self.fast_all_reduce(x)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm(sum of `partial` over the ranks, residual, weight, eps); one kernel for decode-sized rows."""
+        if self.fused_norm is not None and self.fused_norm.handles(partial):
+            return self.fused_norm(partial, residual, weight, eps)
+        return ops.add_rms_norm(self.all_reduce(partial), residual, weight, eps)
+
+    def release_peer_buffers(self) -> None:
+        """Unmaps the peers' exchange buffers (the fused path is off from here on)."""
+        self.fused_norm = None
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -86,5 +100,6 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) 
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
+    tp.release_peer_buffers()
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -69,8 +69,22 @@ class RowParallelLinear(Linear):
         super().__init__(tp.shard_size(in_features, "input features"), out_features, bias, device, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(ops.linear(x, self.weight))
+        out = self.tp.all_reduce(self.forward_partial(x))
         return out if self.bias is None else out + self.bias
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output: before the all-reduce and the bias."""
+        return ops.linear(x, self.weight)
+
+
+def row_parallel_add_rms_norm(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(layer(x), residual, weight, eps); a bias-free row-parallel layer under tensor parallelism hands
+    its partial output to the group, which can run the all-reduce, the add and the norm as one kernel."""
+    forward_partial = getattr(layer, "forward_partial", None)
+    if forward_partial is None or layer.tp.size == 1 or layer.bias is not None:
+        return ops.add_rms_norm(layer(x), residual, weight, eps)
+    return layer.tp.all_reduce_add_rms_norm(forward_partial(x), residual, weight, eps)
 
 
 def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from engine.models.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gate_up_silu,
+    row_parallel_add_rms_norm,
     vocab_parallel_logits,
 )
 from engine.models.rope import cos_sin_cache
@@ -51,7 +52,7 @@ class Attention(nn.Module):
         self.kv_scales: torch.Tensor | None = None
         self.qk_rotation: torch.Tensor | None = None
 
-    def forward(
+    def attend(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
@@ -60,6 +61,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
+        """The attention heads' outputs [tokens, heads * head_dim], before o_proj."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -82,7 +84,7 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
                 self.kv_scales,
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -90,9 +92,6 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, device, dtype, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -104,15 +103,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm_weight(cfg.hidden_size, device, dtype)
         self.mlp = MLP(cfg, device, dtype, tp)
 
-    def forward(self, x, residual, positions, meta, k_cache, v_cache, cos_sin):
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, meta, k_cache, v_cache, cos_sin)
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+    def forward(self, h, residual, next_norm, positions, meta, k_cache, v_cache, cos_sin):
+        """h: the normed input, residual: the stream it was normed from. Returns the next layer's (h, residual),
+        normed with next_norm; each row-parallel projection's all-reduce runs together with the norm after it."""
+        attention = self.self_attn.attend(h, positions, meta, k_cache, v_cache, cos_sin)
+        h, residual = row_parallel_add_rms_norm(self.self_attn.o_proj, attention, residual,
+                                                self.post_attention_layernorm, self.eps)
+        activation = gate_up_silu(self.mlp.gate_up_proj, h)
+        return row_parallel_add_rms_norm(self.mlp.down_proj, activation, residual, next_norm, self.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,12 +138,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, k_cache, v_cache, self.cos_sin)
-        x, _ = ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return x
+        residual = self.embed_tokens(input_ids)
+        h = ops.rms_norm(residual, self.layers[0].input_layernorm, self.config.rms_norm_eps)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, (k_cache, v_cache) in zip(self.layers, next_norms, kv_caches):
+            h, residual = layer(h, residual, next_norm, positions, meta, k_cache, v_cache, self.cos_sin)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:

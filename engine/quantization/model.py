@@ -48,6 +48,9 @@ class RowParallelQuantized(nn.Module):
         out = self.tp.all_reduce(self.inner(x))
         return out if self.bias is None else out + self.bias
 
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
 
 def replace_linears_(model: nn.Module, make: Callable[[Linear], nn.Module]) -> int:
     """Swaps every Linear for make(linear), one at a time so each float weight is freed as it goes."""

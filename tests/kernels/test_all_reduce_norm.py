@@ -1,0 +1,169 @@
+"""The fused all-reduce + residual add + RMSNorm against a sum of the ranks' rows and the reference add_rms_norm.
+
+On the CPU (Triton's interpreter) programs run one after another, so a two-rank exchange runs as: rank 1's message is
+put in rank 0's buffer by hand, rank 0's kernel runs (it sends its own message and finds rank 1's), then rank 1's
+kernel runs (it finds rank 0's message and sends one equal to the hand-made one). On a GPU both ranks' kernels also
+run at once on two streams, replayed in a CUDA graph, which is how two GPUs run them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
+
+pytest.importorskip("triton")
+from kernels.all_reduce_norm import all_reduce_add_rms_norm, exchange_bytes, warm_up  # noqa: E402
+
+
+@dataclass
+class Rank:
+    buffer: torch.Tensor  # raw bytes
+    flags: torch.Tensor  # int64 [max_rows * world]
+    epochs: torch.Tensor
+    error: torch.Tensor
+
+
+def _ranks(world: int, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> list[Rank]:
+    nbytes = exchange_bytes(max_rows, world, hidden, dtype)
+    return [
+        Rank(torch.zeros(nbytes, dtype=torch.uint8, device=device),
+             torch.zeros(max_rows * world, dtype=torch.int64, device=device),
+             torch.zeros(max_rows, dtype=torch.int64, device=device),
+             torch.zeros(1, dtype=torch.int32, device=device))
+        for _ in range(world)
+    ]
+
+
+def _tables(ranks: list[Rank]) -> tuple[torch.Tensor, torch.Tensor]:
+    device = ranks[0].buffer.device
+    return (torch.tensor([r.buffer.data_ptr() for r in ranks], dtype=torch.int64, device=device),
+            torch.tensor([r.flags.data_ptr() for r in ranks], dtype=torch.int64, device=device))
+
+
+def _call(ranks: list[Rank], rank: int, partial, residual, weight, eps=1e-6, max_spins=1 << 30, tables=None):
+    buffers, flags = tables or _tables(ranks)
+    me = ranks[min(rank, len(ranks) - 1)]
+    return all_reduce_add_rms_norm(partial, residual, weight, eps, buffer_ptrs=buffers, flag_ptrs=flags,
+                                   epochs=me.epochs, error=me.error, rank=rank, max_spins=max_spins)
+
+
+def _expected(partials: list[torch.Tensor], residual, weight, eps=1e-6):
+    reduced = torch.stack([p.float() for p in partials]).sum(0).to(partials[0].dtype)
+    return reference.add_rms_norm(reduced, residual, weight, eps)
+
+
+def _post(ranks: list[Rank], sender: int, receiver: int, rows: torch.Tensor, epoch: int, max_rows: int) -> None:
+    """What `sender`'s kernel would write into `receiver`'s buffer and flags at `epoch`."""
+    world, block = len(ranks), ranks[0].buffer.numel() // (2 * max_rows * len(ranks) * rows.element_size())
+    cells = ranks[receiver].buffer.view(rows.dtype).view(2, max_rows, world, block)
+    cells[epoch % 2, : rows.shape[0], sender, : rows.shape[1]] = rows
+    ranks[receiver].flags.view(max_rows, world)[: rows.shape[0], sender] = epoch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 40)])
+def test_two_ranks_exchange_in_turn(device: torch.device, dtype: torch.dtype, rows: int, hidden: int) -> None:
+    max_rows = 4
+    ranks = _ranks(2, max_rows, hidden, dtype, device)
+    gen = torch.Generator().manual_seed(rows * hidden)
+    for epoch in (1, 2, 3):  # both cells of every sender, then the first again
+        partials = [(torch.randn(rows, hidden, generator=gen) * 2).to(device, dtype) for _ in range(2)]
+        residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+        weight = torch.randn(hidden, generator=gen).to(device, dtype)
+        before = [p.clone() for p in partials] + [residual.clone()]
+        _post(ranks, sender=1, receiver=0, rows=partials[1], epoch=epoch, max_rows=max_rows)
+        with poisoned_outputs():
+            out0, summed0 = _call(ranks, 0, partials[0], residual, weight)
+            out1, summed1 = _call(ranks, 1, partials[1], residual, weight)
+        ref_out, ref_summed = _expected(partials, residual, weight)
+        assert rel_err(summed0, ref_summed) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert rel_err(out0, ref_out) < tolerance(dtype)
+        assert torch.equal(out0, out1) and torch.equal(summed0, summed1)  # every rank holds the same hidden state
+        for me, rank in enumerate(ranks):
+            assert rank.epochs[:rows].tolist() == [epoch] * rows and rank.epochs[rows:].tolist() == [0] * (max_rows - rows)
+            flags = rank.flags.view(max_rows, 2)
+            assert flags[:rows, 1 - me].tolist() == [epoch] * rows  # rank 1's to rank 0 put there by hand
+            assert flags[:, me].tolist() == [0] * max_rows and flags[rows:].sum().item() == 0
+            assert rank.error.item() == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, partials + [residual]))
+
+
+def test_a_peer_that_never_answers_counts_an_error_instead_of_hanging(device: torch.device) -> None:
+    ranks = _ranks(2, 2, 32, torch.float32, device)
+    x = torch.randn(2, 32, device=device)
+    out, summed = _call(ranks, 0, x, torch.zeros_like(x), torch.ones(32, device=device), max_spins=3)
+    assert ranks[0].error.item() == 2  # one failed wait per row
+    assert ranks[1].flags.view(2, 2)[:, 0].tolist() == [1, 1]  # its own message was still sent
+
+
+def test_bad_inputs_are_rejected(device: torch.device) -> None:
+    ranks = _ranks(2, 2, 32, torch.float32, device)
+    x = torch.randn(2, 32, device=device)
+    with pytest.raises(ValueError, match="residual"):
+        _call(ranks, 0, x, torch.zeros(2, 31, device=device), torch.ones(32, device=device))
+    with pytest.raises(ValueError, match="weight"):
+        _call(ranks, 0, x, x, torch.ones(31, device=device))
+    with pytest.raises(ValueError, match="rows"):
+        _call(ranks, 0, torch.randn(3, 32, device=device), torch.randn(3, 32, device=device), torch.ones(32, device=device))
+    with pytest.raises(ValueError, match="rank"):
+        _call(ranks, 2, x, x, torch.ones(32, device=device))
+    assert all(r.epochs.sum().item() == 0 and r.flags.sum().item() == 0 for r in ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: both ranks' kernels at once")
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
+    """`world` ranks on one GPU, each on its own stream, waiting on each other through their flags; captured once in a
+    CUDA graph and replayed with new inputs (each replay is a new epoch). The kernel is compiled first: loading a new
+    module while a rank's kernel waits would stall the GPU before the other rank's kernel starts."""
+    device, dtype, hidden, rows = torch.device("cuda"), torch.bfloat16, 4096, 3
+    ranks = _ranks(world, 8, hidden, dtype, device)
+    tables = _tables(ranks)
+    partials = [torch.empty(rows, hidden, device=device, dtype=dtype) for _ in range(world)]
+    residual = torch.empty(rows, hidden, device=device, dtype=dtype)
+    weight = torch.randn(hidden, device=device, dtype=dtype)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    results: list = [None] * world
+
+    def run_all() -> None:
+        main = torch.cuda.current_stream()
+        for r, s in enumerate(streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                results[r] = _call(ranks, r, partials[r], residual, weight, tables=tables)
+        for s in streams:
+            main.wait_stream(s)
+
+    def check() -> None:
+        ref_out, ref_summed = _expected(partials, residual, weight)
+        for out, summed in results:
+            assert torch.equal(out, results[0][0]) and torch.equal(summed, results[0][1])
+        assert rel_err(results[0][1], ref_summed) < 1e-2 and rel_err(results[0][0], ref_out) < 2e-2
+
+    def refill(seed: int) -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for p in partials:
+            p.copy_(torch.randn(rows, hidden, device=device, generator=gen))
+        residual.copy_(torch.randn(rows, hidden, device=device, generator=gen))
+
+    refill(0)
+    warm_up(partials[0], residual, weight, buffer_ptrs=tables[0], flag_ptrs=tables[1], epochs=ranks[0].epochs,
+            error=ranks[0].error, eps=1e-6)
+    run_all()
+    torch.cuda.synchronize()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    for seed in (1, 2, 3):
+        refill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        check()
+    assert all(r.error.item() == 0 for r in ranks)
+    assert all(r.epochs[:rows].tolist() == [4] * rows for r in ranks)  # one eager call, three replays
