@@ -7,7 +7,7 @@ engine/distributed/peer_exchange.py). Per row, a program
    in every peer's flag array to this call's epoch (a store with release semantics at system scope);
 2. waits until every peer's flag in its own array has reached the epoch (loads with acquire semantics), reads the
    peers' rows from its own buffer and sums all rows in rank order, so every rank gets the same bits;
-3. adds the residual and normalises, with add_rms_norm's rounding (kernels/norm.py).
+3. adds the residual and normalises as add_rms_norm does (kernels/norm.py).
 
 Epochs count each row's calls on the GPU (a counter per row that the program increments), so graph replays need no
 host bookkeeping, and the two cells per sender alternate between consecutive epochs. A sender starts epoch e + 2
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm import store_rms_normed
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 
 
@@ -89,10 +90,7 @@ def _all_reduce_add_rms_norm_kernel(
     r = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
     summed = (reduced.to(tl.float32) + r.to(tl.float32)).to(dtype)
     tl.store(summed_ptr + row * N + cols, summed, mask=mask)
-    sf = summed.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (sf * inv_rms * w).to(dtype), mask=mask)
+    store_rms_normed(summed, weight_ptr, out_ptr + row * N, cols, mask, eps, N)
 
 
 def exchange_bytes(max_rows: int, world: int, hidden: int, dtype: torch.dtype) -> int:
