@@ -4,7 +4,7 @@ RMSNorm that follow it: one kernel instead of an all-reduce and a norm kernel, f
 Every rank's GPU can write into every other rank's exchange buffer (CUDA IPC over NVLink; the addresses come from
 engine/distributed/peer_exchange.py). Per row, a program
 1. writes its partial row into its own cell of every peer's buffer and, once all its threads have, sets its flag
-   in every peer's flag array to this call's epoch (a store with release semantics at system scope);
+   in every peer's flag array to this call's epoch (an atomic exchange, release semantics at system scope);
 2. waits until every peer's flag in its own array has reached the epoch (loads with acquire semantics), reads the
    peers' rows from its own buffer and sums all rows in rank order, so every rank gets the same bits;
 3. adds the residual and normalises as add_rms_norm does (kernels/norm.py).
@@ -14,8 +14,8 @@ host bookkeeping, and the two cells per sender alternate between consecutive epo
 only after every peer has flagged epoch e + 1, which a peer does after it has finished reading epoch e's cell, so a
 cell is never overwritten while it is read, and flags only grow.
 
-A wait gives up after `max_spins` polls and counts the failure in `error` instead of hanging the GPU forever (NCCL
-waits for its watchdog in the same case)."""
+A wait gives up after `max_spins` polls (the default is minutes, like NCCL's watchdog; the engine's start-up check
+uses seconds) and counts the failure in `error` instead of hanging the GPU forever."""
 
 from __future__ import annotations
 
@@ -93,12 +93,17 @@ def _all_reduce_add_rms_norm_kernel(
     store_rms_normed(summed, weight_ptr, out_ptr + row * N, cols, mask, eps, N)
 
 
+PATIENT_SPINS = 1 << 30  # polls a wait makes before it gives up: minutes
+
+
 def exchange_bytes(max_rows: int, world: int, hidden: int, dtype: torch.dtype) -> int:
     """Size of one rank's exchange buffer: two cells per (row, sender)."""
     return 2 * max_rows * world * triton.next_power_of_2(hidden) * torch.empty((), dtype=dtype).element_size()
 
 
 def _checked(partial, residual, weight, buffer_ptrs, flag_ptrs, epochs, rank):
+    if partial.dim() != 2:
+        raise ValueError(f"partial: [rows, hidden] expected, got shape {tuple(partial.shape)}")
     rows, hidden = partial.shape
     world = buffer_ptrs.numel()
     if residual.shape != partial.shape or residual.dtype != partial.dtype:
@@ -130,7 +135,7 @@ def all_reduce_add_rms_norm(
     epochs: torch.Tensor,
     error: torch.Tensor,
     rank: int,
-    max_spins: int = 1 << 30,
+    max_spins: int = PATIENT_SPINS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum over ranks of partial + residual), sum + residual) for partial, residual [rows, hidden].
     Every rank must call it with the same shapes in the same order. The buffers hold 2 * len(epochs) * world cells
@@ -155,7 +160,7 @@ def warm_up(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return
     partial, residual, weight = _checked(partial, residual, weight, buffer_ptrs, flag_ptrs, epochs, 0)
     compiled = _all_reduce_add_rms_norm_kernel.warmup(
-        partial, residual, weight, partial, partial, buffer_ptrs, flag_ptrs, epochs, error, 0, eps, 1 << 30,
+        partial, residual, weight, partial, partial, buffer_ptrs, flag_ptrs, epochs, error, 0, eps, PATIENT_SPINS,
         grid=(1,), **_launch_options(partial, buffer_ptrs.numel(), epochs.numel()),
     )
     compiled._init_handles()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import reference
-from kernels.all_reduce_norm import all_reduce_add_rms_norm, exchange_bytes, warm_up
+from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, exchange_bytes, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class FusedAllReduceNorm:
         return dict(buffer_ptrs=self.buffer_ptrs, flag_ptrs=self.flag_ptrs, epochs=self.epochs, error=self.error)
 
     def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 max_spins: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_spins: int = PATIENT_SPINS) -> tuple[torch.Tensor, torch.Tensor]:
         return all_reduce_add_rms_norm(partial, residual, weight, eps, rank=self.rank, max_spins=max_spins,
                                        **self._tables())
 

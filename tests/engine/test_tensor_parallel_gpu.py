@@ -85,18 +85,14 @@ def test_two_gpus_fused_and_unfused_all_reduce_agree(monkeypatch):
 
 def _fused_rank(rank: int, port: int, results) -> None:
     from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-    from engine.distributed.peer_exchange import MAX_ROWS, FusedAllReduceNorm
+    from engine.distributed.peer_exchange import MAX_ROWS, try_fused_all_reduce_norm
     from kernels import reference
 
     device = torch.device("cuda", rank)
     tp = init_tensor_parallel(rank, 2, port, device)
     try:
-        fused = FusedAllReduceNorm(rank, 2, device, 4096, torch.bfloat16)
-        handles = [None, None]
-        torch.distributed.all_gather_object(handles, fused.handles_to_share(), group=tp.cpu_group)
-        fused.open_peers(handles)
-        fused.warm_up(1e-5)
-        torch.distributed.barrier(group=tp.cpu_group)
+        fused = try_fused_all_reduce_norm(tp, device, 4096, torch.bfloat16)
+        assert fused is not None, "the start-up check failed"
         gen = torch.Generator(device=device).manual_seed(0)
         worst = 0.0
 

@@ -16,7 +16,7 @@ from kernels import reference
 from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
 
 pytest.importorskip("triton")
-from kernels.all_reduce_norm import all_reduce_add_rms_norm, exchange_bytes, warm_up  # noqa: E402
+from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, exchange_bytes, warm_up  # noqa: E402
 
 
 @dataclass
@@ -44,7 +44,7 @@ def _tables(ranks: list[Rank]) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor([r.flags.data_ptr() for r in ranks], dtype=torch.int64, device=device))
 
 
-def _call(ranks: list[Rank], rank: int, partial, residual, weight, eps=1e-6, max_spins=1 << 30, tables=None):
+def _call(ranks: list[Rank], rank: int, partial, residual, weight, eps=1e-6, max_spins=PATIENT_SPINS, tables=None):
     buffers, flags = tables or _tables(ranks)
     me = ranks[min(rank, len(ranks) - 1)]
     return all_reduce_add_rms_norm(partial, residual, weight, eps, buffer_ptrs=buffers, flag_ptrs=flags,
@@ -109,6 +109,8 @@ def test_bad_inputs_are_rejected(device: torch.device) -> None:
         _call(ranks, 0, x, x, torch.ones(31, device=device))
     with pytest.raises(ValueError, match="rows"):
         _call(ranks, 0, torch.randn(3, 32, device=device), torch.randn(3, 32, device=device), torch.ones(32, device=device))
+    with pytest.raises(ValueError, match="rows, hidden"):
+        _call(ranks, 0, x.view(2, 2, 16), x.view(2, 2, 16), torch.ones(16, device=device))
     with pytest.raises(ValueError, match="rank"):
         _call(ranks, 2, x, x, torch.ones(32, device=device))
     assert all(r.epochs.sum().item() == 0 and r.flags.sum().item() == 0 for r in ranks)
