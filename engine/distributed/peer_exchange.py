@@ -53,13 +53,13 @@ class FusedAllReduceNorm:
         self._opened: list[torch.UntypedStorage] = []  # keeps the mappings of the peers' blocks alive
         self.buffer_ptrs = self.flag_ptrs = None
 
-    def handles_to_share(self) -> tuple:
+    def ipc_handles(self) -> tuple:
         return _ipc_handle(self.buffer), _ipc_handle(self.flags)
 
-    def open_peers(self, handles: list[tuple]) -> None:
-        """handles[r]: rank r's handles_to_share()."""
+    def open_peers(self, ipc_handles: list[tuple]) -> None:
+        """ipc_handles[r]: rank r's ipc_handles()."""
         buffers, flags = [], []
-        for peer, (buffer_handle, flags_handle) in enumerate(handles):
+        for peer, (buffer_handle, flags_handle) in enumerate(ipc_handles):
             if peer == self.rank:
                 buffers.append(self.buffer.data_ptr())
                 flags.append(self.flags.data_ptr())
@@ -105,15 +105,15 @@ def try_fused_all_reduce_norm(tp, device: torch.device, hidden: int, dtype: torc
     fused, shared = None, None
     try:
         fused = FusedAllReduceNorm(tp.rank, tp.size, device, hidden, dtype)
-        shared = fused.handles_to_share()
+        shared = fused.ipc_handles()
     except Exception as e:  # no IPC on this device
         log.warning("fused all-reduce + RMSNorm: no exchange buffer (%s)", e)
-    handles: list = [None] * tp.size
-    dist.all_gather_object(handles, shared, group=tp.cpu_group)
+    everyone: list = [None] * tp.size
+    dist.all_gather_object(everyone, shared, group=tp.cpu_group)
     opened = False
-    if all(h is not None for h in handles):
+    if all(h is not None for h in everyone):
         try:
-            fused.open_peers(handles)
+            fused.open_peers(everyone)
             fused.warm_up(1e-5)
             opened = True
         except Exception as e:  # no peer access between these GPUs
