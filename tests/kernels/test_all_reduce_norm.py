@@ -2,8 +2,9 @@
 
 On the CPU (Triton's interpreter) programs run one after another, so a two-rank exchange runs as: rank 1's message is
 put in rank 0's buffer by hand, rank 0's kernel runs (it sends its own message and finds rank 1's), then rank 1's
-kernel runs (it finds rank 0's message and sends one equal to the hand-made one). On a GPU both ranks' kernels also
-run at once on two streams, replayed in a CUDA graph, which is how two GPUs run them."""
+kernel runs (it finds rank 0's message and sends one equal to the hand-made one); and two processes run one rank
+each at once over shared memory, each reaching the buffers at its own addresses. On a GPU both ranks' kernels run
+at once on two streams, replayed in a CUDA graph; tests/engine/test_tensor_parallel_gpu.py runs them on two GPUs."""
 
 from __future__ import annotations
 
@@ -169,3 +170,47 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
         check()
     assert all(r.error.item() == 0 for r in ranks)
     assert all(r.epochs[:rows].tolist() == [4] * rows for r in ranks)  # one eager call, three replays
+
+
+def _rank_process(rank: int, ranks: list[Rank], inputs: list[torch.Tensor], results) -> None:
+    """One rank in its own process: its view of the shared buffers has its own addresses, as over CUDA IPC."""
+    try:
+        tables = _tables(ranks)
+        partials, residual, weight = inputs[:2], inputs[2], inputs[3]
+        outs = [_call(ranks, rank, partials[rank][epoch], residual, weight, max_spins=200_000, tables=tables)
+                for epoch in range(3)]
+        # numpy, not tensors: a tensor would be shared through this process, which exits now
+        results.put((rank, [(o.numpy().copy(), s.numpy().copy()) for o, s in outs], ranks[rank].error.item()))
+    except Exception as e:  # reported to the test, not swallowed
+        results.put((rank, repr(e), -1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the concurrent-streams test instead")
+def test_two_ranks_in_two_processes_on_the_cpu() -> None:
+    """Two processes exchanging through shared memory at once, each waiting on the other's flags: three calls."""
+    import torch.multiprocessing as tmp
+
+    hidden, rows = 48, 2
+    ranks = _ranks(2, 4, hidden, torch.float32, torch.device("cpu"))
+    for r in ranks:
+        for t in (r.buffer, r.flags, r.epochs, r.error):
+            t.share_memory_()
+    gen = torch.Generator().manual_seed(3)
+    partials = [torch.randn(3, rows, hidden, generator=gen) for _ in range(2)]
+    residual, weight = torch.randn(rows, hidden, generator=gen), torch.randn(hidden, generator=gen)
+    ctx = tmp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_process, args=(rank, ranks, partials + [residual, weight], results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    reports = sorted((results.get(timeout=240) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(30)
+    for rank, outs, errors in reports:
+        assert errors == 0, f"rank {rank}: {outs}"
+    for epoch in range(3):
+        want_out, want_summed = _expected([p[epoch] for p in partials], residual, weight)
+        (out0, summed0), (out1, summed1) = [map(torch.from_numpy, report[1][epoch]) for report in reports]
+        assert torch.equal(out0, out1) and torch.equal(summed0, summed1)
+        assert rel_err(summed0, want_summed) < 1e-6 and rel_err(out0, want_out) < 1e-3
