@@ -82,7 +82,7 @@ def row_parallel_add_rms_norm(layer: nn.Module, x: torch.Tensor, residual: torch
     """add_rms_norm(layer(x), residual, weight, eps); a bias-free row-parallel layer under tensor parallelism hands
     its partial output to the group, which can run the all-reduce, the add and the norm as one kernel."""
     forward_partial = getattr(layer, "forward_partial", None)
-    if forward_partial is None or layer.tp.size == 1 or layer.bias is not None:
+    if forward_partial is None or layer.bias is not None:
         return ops.add_rms_norm(layer(x), residual, weight, eps)
     return layer.tp.all_reduce_add_rms_norm(forward_partial(x), residual, weight, eps)
 

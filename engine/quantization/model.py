@@ -45,7 +45,7 @@ class RowParallelQuantized(nn.Module):
         self.inner, self.tp, self.bias = inner, tp, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.inner(x))
+        out = self.tp.all_reduce(self.forward_partial(x))
         return out if self.bias is None else out + self.bias
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
