@@ -10,12 +10,12 @@ from kernels.pdl import launch_options, wait_for_earlier_kernels
 
 
 @triton.jit
-def store_rms_normed(x, weight_ptr, out_row_ptr, cols, mask, eps, N: tl.constexpr):
-    """Writes one row's rms_norm(x) * weight; x is the row as the reference rounds it (its own dtype)."""
+def store_rms_normed(x, weight, out_row_ptr, cols, mask, eps, N: tl.constexpr):
+    """Writes one row's rms_norm(x) * weight; x is the row as the reference rounds it (its own dtype), weight the
+    norm's weights as loaded."""
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row_ptr + cols, (xf * inv_rms * w).to(out_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_row_ptr + cols, (xf * inv_rms * weight.to(tl.float32)).to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -40,12 +40,13 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # The reference rounds the sum to the input dtype before normalising it.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(summed_ptr + row * stride_s + cols, x, mask=mask)
-    store_rms_normed(x, weight_ptr, out_ptr + row * stride_o, cols, mask, eps, N)
+    store_rms_normed(x, weight, out_ptr + row * stride_o, cols, mask, eps, N)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -38,44 +38,40 @@ def _open_ipc(handle: tuple, device: torch.device) -> torch.UntypedStorage:
 
 
 class FusedAllReduceNorm:
-    """Per rank: an exchange buffer and a flag array that every peer writes into, their addresses in every rank's
-    process, and this rank's per-row epochs."""
+    """Per rank: an exchange buffer that every peer writes into, its address in every rank's process, and this rank's
+    per-row epochs."""
 
     def __init__(self, rank: int, world: int, device: torch.device, hidden: int, dtype: torch.dtype) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world, self.device, self.hidden, self.dtype = rank, world, device, hidden, dtype
         self.buffer = torch.zeros(exchange_bytes(MAX_ROWS, world, hidden, dtype), dtype=torch.uint8, device=device)
-        self.flags = torch.zeros(MAX_ROWS * world, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)  # zeroed before any peer can write
         self._opened: list[torch.UntypedStorage] = []  # keeps the mappings of the peers' blocks alive
-        self.buffer_ptrs = self.flag_ptrs = None
+        self.buffer_ptrs = None
 
-    def ipc_handles(self) -> tuple:
-        return _ipc_handle(self.buffer), _ipc_handle(self.flags)
+    def ipc_handle(self) -> tuple:
+        return _ipc_handle(self.buffer)
 
     def open_peers(self, ipc_handles: list[tuple]) -> None:
-        """ipc_handles[r]: rank r's ipc_handles()."""
-        buffers, flags = [], []
-        for peer, (buffer_handle, flags_handle) in enumerate(ipc_handles):
+        """ipc_handles[r]: rank r's ipc_handle()."""
+        buffers = []
+        for peer, handle in enumerate(ipc_handles):
             if peer == self.rank:
                 buffers.append(self.buffer.data_ptr())
-                flags.append(self.flags.data_ptr())
                 continue
-            self._opened += [_open_ipc(buffer_handle, self.device), _open_ipc(flags_handle, self.device)]
-            buffers.append(self._opened[-2].data_ptr())
-            flags.append(self._opened[-1].data_ptr())
+            self._opened.append(_open_ipc(handle, self.device))
+            buffers.append(self._opened[-1].data_ptr())
         self.buffer_ptrs = torch.tensor(buffers, dtype=torch.int64, device=self.device)
-        self.flag_ptrs = torch.tensor(flags, dtype=torch.int64, device=self.device)
 
     def handles(self, partial: torch.Tensor) -> bool:
         return (partial.dim() == 2 and partial.shape[0] <= MAX_ROWS and partial.shape[1] == self.hidden
                 and partial.dtype == self.dtype and partial.is_cuda)
 
     def _tables(self) -> dict:
-        return dict(buffer_ptrs=self.buffer_ptrs, flag_ptrs=self.flag_ptrs, epochs=self.epochs, error=self.error)
+        return dict(buffer_ptrs=self.buffer_ptrs, epochs=self.epochs, error=self.error)
 
     def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  max_spins: int = PATIENT_SPINS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +101,7 @@ def try_fused_all_reduce_norm(tp, device: torch.device, hidden: int, dtype: torc
     fused, shared = None, None
     try:
         fused = FusedAllReduceNorm(tp.rank, tp.size, device, hidden, dtype)
-        shared = fused.ipc_handles()
+        shared = fused.ipc_handle()
     except Exception as e:  # no IPC on this device
         log.warning("fused all-reduce + RMSNorm: no exchange buffer (%s)", e)
     everyone: list = [None] * tp.size

@@ -112,13 +112,27 @@ class VocabParallelEmbedding(nn.Module):
                                    requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.forward_partial(ids))
+
+    def forward_partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the embeddings, zeros where another rank holds the id."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(out)
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
+
+    def forward_rms_norm(self, ids: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(embeddings, weight, eps), embeddings) for the first layer; under tensor parallelism the all-reduce
+        runs with the norm (a residual of zeros adds nothing: x + 0 rounds to x)."""
+        if self.tp.size == 1:
+            embeddings = self.forward_partial(ids)
+            return ops.rms_norm(embeddings, weight, eps), embeddings
+        partial = self.forward_partial(ids)
+        rows = partial.view(-1, partial.shape[-1])
+        h, embeddings = self.tp.all_reduce_add_rms_norm(rows, torch.zeros_like(rows), weight, eps)
+        return h.view(partial.shape), embeddings.view(partial.shape)
 
     def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the full [vocab, hidden] tensor, zero rows past the real vocabulary."""

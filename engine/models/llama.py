@@ -138,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
-        h = ops.rms_norm(residual, self.layers[0].input_layernorm, self.config.rms_norm_eps)
+        h, residual = self.embed_tokens.forward_rms_norm(input_ids, self.layers[0].input_layernorm,
+                                                         self.config.rms_norm_eps)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (k_cache, v_cache) in zip(self.layers, next_norms, kv_caches):
             h, residual = layer(h, residual, next_norm, positions, meta, k_cache, v_cache, self.cos_sin)

@@ -23,7 +23,6 @@ from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, exch
 @dataclass
 class Rank:
     buffer: torch.Tensor  # raw bytes
-    flags: torch.Tensor  # int64 [max_rows * world]
     epochs: torch.Tensor
     error: torch.Tensor
 
@@ -32,23 +31,19 @@ def _ranks(world: int, max_rows: int, hidden: int, dtype: torch.dtype, device: t
     nbytes = exchange_bytes(max_rows, world, hidden, dtype)
     return [
         Rank(torch.zeros(nbytes, dtype=torch.uint8, device=device),
-             torch.zeros(max_rows * world, dtype=torch.int64, device=device),
              torch.zeros(max_rows, dtype=torch.int64, device=device),
              torch.zeros(1, dtype=torch.int32, device=device))
         for _ in range(world)
     ]
 
 
-def _tables(ranks: list[Rank]) -> tuple[torch.Tensor, torch.Tensor]:
-    device = ranks[0].buffer.device
-    return (torch.tensor([r.buffer.data_ptr() for r in ranks], dtype=torch.int64, device=device),
-            torch.tensor([r.flags.data_ptr() for r in ranks], dtype=torch.int64, device=device))
+def _table(ranks: list[Rank]) -> torch.Tensor:
+    return torch.tensor([r.buffer.data_ptr() for r in ranks], dtype=torch.int64, device=ranks[0].buffer.device)
 
 
-def _call(ranks: list[Rank], rank: int, partial, residual, weight, eps=1e-6, max_spins=PATIENT_SPINS, tables=None):
-    buffers, flags = tables or _tables(ranks)
+def _call(ranks: list[Rank], rank: int, partial, residual, weight, eps=1e-6, max_spins=PATIENT_SPINS, table=None):
     me = ranks[min(rank, len(ranks) - 1)]
-    return all_reduce_add_rms_norm(partial, residual, weight, eps, buffer_ptrs=buffers, flag_ptrs=flags,
+    return all_reduce_add_rms_norm(partial, residual, weight, eps, buffer_ptrs=_table(ranks) if table is None else table,
                                    epochs=me.epochs, error=me.error, rank=rank, max_spins=max_spins)
 
 
@@ -57,15 +52,23 @@ def _expected(partials: list[torch.Tensor], residual, weight, eps=1e-6):
     return reference.add_rms_norm(reduced, residual, weight, eps)
 
 
+def _cells(rank: Rank, world: int, max_rows: int) -> torch.Tensor:
+    """A rank's buffer as [parity, row, sender, word] of int64 stamped words."""
+    return rank.buffer.view(torch.int64).view(2, max_rows, world, -1)
+
+
+def _stamped(rows: torch.Tensor, epoch: int) -> torch.Tensor:
+    """The int64 words a sender's kernel writes for these rows at this epoch: 32 bits of values under the stamp."""
+    return (rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (epoch << 32)
+
+
 def _post(ranks: list[Rank], sender: int, receiver: int, rows: torch.Tensor, epoch: int, max_rows: int) -> None:
-    """What `sender`'s kernel would write into `receiver`'s buffer and flags at `epoch`."""
-    world, block = len(ranks), ranks[0].buffer.numel() // (2 * max_rows * len(ranks) * rows.element_size())
-    cells = ranks[receiver].buffer.view(rows.dtype).view(2, max_rows, world, block)
-    cells[epoch % 2, : rows.shape[0], sender, : rows.shape[1]] = rows
-    ranks[receiver].flags.view(max_rows, world)[: rows.shape[0], sender] = epoch
+    """What `sender`'s kernel would write into `receiver`'s buffer at `epoch`."""
+    words = _stamped(rows, epoch)
+    _cells(ranks[receiver], len(ranks), max_rows)[epoch % 2, : rows.shape[0], sender, : words.shape[1]] = words
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 40)])
 def test_two_ranks_exchange_in_turn(device: torch.device, dtype: torch.dtype, rows: int, hidden: int) -> None:
     max_rows = 4
@@ -86,9 +89,11 @@ def test_two_ranks_exchange_in_turn(device: torch.device, dtype: torch.dtype, ro
         assert torch.equal(out0, out1) and torch.equal(summed0, summed1)  # every rank holds the same hidden state
         for me, rank in enumerate(ranks):
             assert rank.epochs[:rows].tolist() == [epoch] * rows and rank.epochs[rows:].tolist() == [0] * (max_rows - rows)
-            flags = rank.flags.view(max_rows, 2)
-            assert flags[:rows, 1 - me].tolist() == [epoch] * rows  # rank 1's to rank 0 put there by hand
-            assert flags[:, me].tolist() == [0] * max_rows and flags[rows:].sum().item() == 0
+            cells = _cells(rank, 2, max_rows)
+            words = cells[epoch % 2, :rows, 1 - me, : hidden * dtype.itemsize // 4]
+            assert torch.equal(words, _stamped(partials[1 - me], epoch))  # rank 1's to rank 0 put there by hand
+            assert cells[:, :, me].abs().sum().item() == 0 and cells[:, rows:].abs().sum().item() == 0
+            assert cells[:, :, :, hidden * dtype.itemsize // 4:].abs().sum().item() == 0  # a cell's tail: never written
             assert rank.error.item() == 0
         assert all(torch.equal(a, b) for a, b in zip(before, partials + [residual]))
 
@@ -98,7 +103,7 @@ def test_a_peer_that_never_answers_counts_an_error_instead_of_hanging(device: to
     x = torch.randn(2, 32, device=device)
     out, summed = _call(ranks, 0, x, torch.zeros_like(x), torch.ones(32, device=device), max_spins=3)
     assert ranks[0].error.item() == 2  # one failed wait per row
-    assert ranks[1].flags.view(2, 2)[:, 0].tolist() == [1, 1]  # its own message was still sent
+    assert torch.equal(_cells(ranks[1], 2, 2)[1, :, 0], _stamped(x, 1))  # its own message was still sent
 
 
 def test_bad_inputs_are_rejected(device: torch.device) -> None:
@@ -114,19 +119,24 @@ def test_bad_inputs_are_rejected(device: torch.device) -> None:
         _call(ranks, 0, x.view(2, 2, 16), x.view(2, 2, 16), torch.ones(16, device=device))
     with pytest.raises(ValueError, match="rank"):
         _call(ranks, 2, x, x, torch.ones(32, device=device))
-    assert all(r.epochs.sum().item() == 0 and r.flags.sum().item() == 0 for r in ranks)
+    with pytest.raises(ValueError, match="32-bit words"):
+        odd = torch.randn(2, 31, device=device, dtype=torch.bfloat16)
+        _call(ranks, 0, odd, odd, torch.ones(31, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        _call(ranks, 0, x.double(), x.double(), torch.ones(32, device=device, dtype=torch.float64))
+    assert all(r.epochs.sum().item() == 0 and r.buffer.sum().item() == 0 for r in ranks)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: both ranks' kernels at once")
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
-    """`world` ranks on one GPU, each on its own stream, waiting on each other through their flags; captured once in a
+    """`world` ranks on one GPU, each on its own stream, waiting on each other's stamped words; captured once in a
     CUDA graph and replayed with new inputs (each replay is a new epoch). The kernel is compiled first: loading a new
     module while a rank's kernel waits would stall the GPU before the other rank's kernel starts."""
     device, dtype, hidden, rows = torch.device("cuda"), torch.bfloat16, 4096, 3
     ranks = _ranks(world, 8, hidden, dtype, device)
-    tables = _tables(ranks)
+    table = _table(ranks)
     partials = [torch.empty(rows, hidden, device=device, dtype=dtype) for _ in range(world)]
     residual = torch.empty(rows, hidden, device=device, dtype=dtype)
     weight = torch.randn(hidden, device=device, dtype=dtype)
@@ -138,7 +148,7 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
         for r, s in enumerate(streams):
             s.wait_stream(main)
             with torch.cuda.stream(s):
-                results[r] = _call(ranks, r, partials[r], residual, weight, tables=tables)
+                results[r] = _call(ranks, r, partials[r], residual, weight, table=table)
         for s in streams:
             main.wait_stream(s)
 
@@ -155,8 +165,7 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
         residual.copy_(torch.randn(rows, hidden, device=device, generator=gen))
 
     refill(0)
-    warm_up(partials[0], residual, weight, buffer_ptrs=tables[0], flag_ptrs=tables[1], epochs=ranks[0].epochs,
-            error=ranks[0].error, eps=1e-6)
+    warm_up(partials[0], residual, weight, buffer_ptrs=table, epochs=ranks[0].epochs, error=ranks[0].error, eps=1e-6)
     run_all()
     torch.cuda.synchronize()
     check()
@@ -175,9 +184,9 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
 def _rank_process(rank: int, ranks: list[Rank], inputs: list[torch.Tensor], results) -> None:
     """One rank in its own process: its view of the shared buffers has its own addresses, as over CUDA IPC."""
     try:
-        tables = _tables(ranks)
+        table = _table(ranks)
         partials, residual, weight = inputs[:2], inputs[2], inputs[3]
-        outs = [_call(ranks, rank, partials[rank][epoch], residual, weight, max_spins=200_000, tables=tables)
+        outs = [_call(ranks, rank, partials[rank][epoch], residual, weight, max_spins=200_000, table=table)
                 for epoch in range(3)]
         # numpy, not tensors: a tensor would be shared through this process, which exits now
         results.put((rank, [(o.numpy().copy(), s.numpy().copy()) for o, s in outs], ranks[rank].error.item()))
@@ -187,13 +196,13 @@ def _rank_process(rank: int, ranks: list[Rank], inputs: list[torch.Tensor], resu
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the concurrent-streams test instead")
 def test_two_ranks_in_two_processes_on_the_cpu() -> None:
-    """Two processes exchanging through shared memory at once, each waiting on the other's flags: three calls."""
+    """Two processes exchanging through shared memory at once, each waiting on the other's words: three calls."""
     import torch.multiprocessing as tmp
 
     hidden, rows = 48, 2
     ranks = _ranks(2, 4, hidden, torch.float32, torch.device("cpu"))
     for r in ranks:
-        for t in (r.buffer, r.flags, r.epochs, r.error):
+        for t in (r.buffer, r.epochs, r.error):
             t.share_memory_()
     gen = torch.Generator().manual_seed(3)
     partials = [torch.randn(3, rows, hidden, generator=gen) for _ in range(2)]
