@@ -168,7 +168,10 @@ def _checked(partial, residual, weight, buffer_ptrs, epochs, rank):
         raise ValueError(f"partial: {rows} rows, the exchange buffers hold {epochs.numel()}")
     if not 0 <= rank < buffer_ptrs.numel():
         raise ValueError(f"rank {rank} of {buffer_ptrs.numel()} ranks")
-    return partial.contiguous(), residual.contiguous(), weight.contiguous()
+    partial = partial.contiguous()
+    if partial.data_ptr() % 4:  # read as 32-bit words
+        partial = partial.clone()
+    return partial, residual.contiguous(), weight.contiguous()
 
 
 def _launch_options(partial: torch.Tensor, world: int, max_rows: int) -> dict:

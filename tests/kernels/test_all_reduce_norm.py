@@ -98,6 +98,23 @@ def test_two_ranks_exchange_in_turn(device: torch.device, dtype: torch.dtype, ro
         assert all(torch.equal(a, b) for a, b in zip(before, partials + [residual]))
 
 
+def test_rows_that_do_not_start_on_a_word(device: torch.device) -> None:
+    """A bf16 view two bytes past a 32-bit boundary is read as words all the same (through a copy)."""
+    ranks = _ranks(2, 2, 64, torch.bfloat16, device)
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1 + 2 * 64, generator=gen).to(device, torch.bfloat16)
+    mine = base[1:].view(2, 64)
+    assert mine.is_contiguous() and mine.data_ptr() % 4 == 2
+    theirs = torch.randn(2, 64, generator=gen).to(device, torch.bfloat16)
+    residual, weight = torch.randn(2, 64, generator=gen).to(device, torch.bfloat16), torch.ones(64, device=device,
+                                                                                                dtype=torch.bfloat16)
+    _post(ranks, sender=1, receiver=0, rows=theirs, epoch=1, max_rows=2)
+    out, summed = _call(ranks, 0, mine, residual, weight)
+    ref_out, ref_summed = _expected([mine, theirs], residual, weight)
+    assert rel_err(summed, ref_summed) < 1e-2 and rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    assert torch.equal(_cells(ranks[1], 2, 2)[1, :, 0, :32], _stamped(mine.clone(), 1)) and ranks[0].error.item() == 0
+
+
 def test_a_peer_that_never_answers_counts_an_error_instead_of_hanging(device: torch.device) -> None:
     ranks = _ranks(2, 2, 32, torch.float32, device)
     x = torch.randn(2, 32, device=device)
