@@ -141,12 +141,11 @@ PATIENT_SPINS = 1 << 30  # polls a wait makes before it gives up: minutes
 
 def _cell_words(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     """(words of a row, words of a cell) for rows of `hidden` values: 32 bits of values a word."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial: float32, bfloat16 or float16 rows expected, got {dtype}")
-    if hidden * itemsize % 4:
+    if hidden * dtype.itemsize % 4:
         raise ValueError(f"partial: {hidden} {dtype} values do not fill whole 32-bit words")
-    return hidden * itemsize // 4, triton.next_power_of_2(hidden) * itemsize // 4
+    return hidden * dtype.itemsize // 4, triton.next_power_of_2(hidden) * dtype.itemsize // 4
 
 
 def exchange_bytes(max_rows: int, world: int, hidden: int, dtype: torch.dtype) -> int:

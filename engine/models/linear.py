@@ -126,10 +126,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward_rms_norm(self, ids: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(embeddings, weight, eps), embeddings) for the first layer; under tensor parallelism the all-reduce
         runs with the norm (a residual of zeros adds nothing: x + 0 rounds to x)."""
-        if self.tp.size == 1:
-            embeddings = self.forward_partial(ids)
-            return ops.rms_norm(embeddings, weight, eps), embeddings
         partial = self.forward_partial(ids)
+        if self.tp.size == 1:
+            return ops.rms_norm(partial, weight, eps), partial
         rows = partial.view(-1, partial.shape[-1])
         h, embeddings = self.tp.all_reduce_add_rms_norm(rows, torch.zeros_like(rows), weight, eps)
         return h.view(partial.shape), embeddings.view(partial.shape)
