@@ -1,5 +1,7 @@
-"""The GPU's view of async decode steps: wall time per step against kernel time per step, and the kernels
-that take it (rank 0's GPU; with tensor parallelism NCCL kernels that wait for another rank show up long).
+"""The GPU's view of async decode steps: wall time per step against kernel time per step, the kernels that take
+it (rank 0's GPU; with tensor parallelism NCCL kernels that wait for another rank show up long), and where the GPU
+sits idle between two operations (the pairs of neighbours with the most idle time a step). The profiler slows the
+host, so idle time here is an upper bound of the idle time without it.
 
     python -m bench.overlap_profile --model random:llama-8b --device cuda --tensor-parallel-size 2
 """
@@ -7,8 +9,12 @@ that take it (rank 0's GPU; with tensor parallelism NCCL kernels that wait for a
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import random
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +38,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+
+
+GPU_OP_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_between_ops(trace: dict, device: int, steps: int, top: int = 12) -> dict[str, Any]:
+    """From a profiler's Chrome trace: the device's busy and idle time a step (kernels, copies and memsets laid end
+    to end) and the neighbouring operations with the most idle time between them."""
+    ops = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_OP_CATEGORIES
+                  and int(e.get("args", {}).get("device", -1)) == device), key=lambda e: e["ts"])
+    if not ops:
+        return {}
+    idle: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    busy_until, previous, busy = ops[0]["ts"] + ops[0]["dur"], ops[0]["name"], ops[0]["dur"]
+    for op in ops[1:]:
+        if op["ts"] > busy_until:
+            pair = idle[(previous[:60], op["name"][:60])]
+            pair[0] += op["ts"] - busy_until
+            pair[1] += 1
+        busy += max(0.0, op["ts"] + op["dur"] - max(op["ts"], busy_until))
+        busy_until = max(busy_until, op["ts"] + op["dur"])
+        previous = op["name"]
+    per_step_ms = lambda us: round(us / steps / 1e3, 4)  # noqa: E731
+    return {
+        "busy_ms_per_step": per_step_ms(busy),
+        "idle_ms_per_step": per_step_ms(sum(us for us, _ in idle.values())),
+        "top_idle": [{"after": a, "before": b, "us_per_step": round(us / steps, 2), "times_per_step": round(n / steps, 2)}
+                     for (a, b), (us, n) in sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -66,6 +101,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "ms_per_step": per_step(_device_us(e)), "us_per_call": round(_device_us(e) / e.count, 2)}
                         for e in kernels[:20]],
     }
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        result.update(idle_between_ops(json.loads(trace_path.read_text()), torch.cuda.current_device(), args.steps))
     emit(result, args.json)
     llm.close()
     return result

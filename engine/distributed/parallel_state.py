@@ -55,11 +55,15 @@ class TensorParallel:
         self.fused_norm = None
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x side by side along the last dimension. Gathered into one tensor (rank-major rows), which
+        for one row is already the result; more rows take one copy to interleave them."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=-1)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        gathered = torch.empty((self.size * rows.shape[0], rows.shape[1]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(gathered, rows, group=self.device_group)
+        side_by_side = gathered.view(self.size, *rows.shape).transpose(0, 1).reshape(rows.shape[0], -1)
+        return side_by_side.view(*x.shape[:-1], self.size * x.shape[-1])
 
     def min_over_ranks(self, value: int) -> int:
         if self.size == 1:

@@ -85,3 +85,22 @@ def test_chart_draws_each_result_against_its_goal(tmp_path):
     assert svg.startswith("<svg") and svg.count("<rect") == 3
     assert "GEMV vs cuBLAS" in svg and "1.250 x" in svg  # the bf16 layers only: 15 / 12
     assert "#2e7d32" in svg and "#c62828" in svg  # throughput meets its goal, the slow start does not
+
+
+def test_idle_between_ops_counts_gaps_between_neighbours() -> None:
+    """Two steps of a hand-made trace: overlapping ops are busy once, idle time goes to the pair around it, other
+    devices and host events are ignored."""
+    from bench.overlap_profile import idle_between_ops
+
+    def op(name: str, ts: float, dur: float, device: int = 0, cat: str = "kernel") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": device}}
+
+    events = [op("gemv", 0, 10), op("norm", 12, 3), op("copy", 13, 4, cat="gpu_memcpy"), op("gemv", 30, 10),
+              op("gemv", 0, 100, device=1), {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 17, "dur": 13},
+              op("norm", 42, 3), op("copy", 43, 4, cat="gpu_memcpy"), op("gemv", 60, 10)]
+    result = idle_between_ops({"traceEvents": events}, device=0, steps=2)
+    assert result["busy_ms_per_step"] == round((10 + 5 + 10 + 5 + 10) / 2 / 1e3, 4)
+    assert result["idle_ms_per_step"] == round((2 + 13 + 2 + 13) / 2 / 1e3, 4)
+    assert result["top_idle"][0] == {"after": "copy", "before": "gemv", "us_per_step": 13.0, "times_per_step": 1.0}
+    assert result["top_idle"][1] == {"after": "gemv", "before": "norm", "us_per_step": 2.0, "times_per_step": 1.0}
+    assert idle_between_ops({"traceEvents": []}, device=0, steps=1) == {}

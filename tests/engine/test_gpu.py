@@ -122,3 +122,27 @@ def test_dependent_launches_change_no_token(tiny_llama_dir, monkeypatch, quantiz
         tokens[switch] += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.close()
     assert tokens["1"] == tokens["0"]
+
+
+def test_device_inputs_staged_in_one_copy_equal_the_host_arrays():
+    """Packed indices and block tables share one pinned buffer and one copy; the tables start 16-byte aligned
+    whatever the packed length, and both arrive as the host holds them."""
+    import numpy as np
+
+    from engine.batch_inputs import HostInputs, device_inputs
+
+    rng = np.random.default_rng(0)
+    for num_tokens, num_seqs, width in ((1, 1, 3), (5, 2, 7), (40, 3, 0)):
+        host = HostInputs(packed=rng.integers(-1, 1 << 40, 4 * num_tokens + 2 * num_seqs + 1, dtype=np.int64),
+                          block_tables=rng.integers(-1, 500, (num_seqs, width), dtype=np.int32),
+                          num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=1, max_seq_len=9,
+                          logits_indices=[0])
+        inputs = device_inputs(host, torch.device("cuda"))
+        n = num_tokens
+        assert inputs.input_ids.tolist() == host.packed[:n].tolist()
+        assert inputs.meta.slot_mapping.tolist() == host.packed[2 * n: 3 * n].tolist()
+        assert inputs.meta.seq_lens.tolist() == host.packed[4 * n: 4 * n + num_seqs].astype(np.int32).tolist()
+        assert inputs.meta.query_start_loc.tolist() == host.packed[4 * n + num_seqs:].astype(np.int32).tolist()
+        tables = inputs.meta.block_tables
+        assert tables.dtype == torch.int32 and tables.shape == (num_seqs, width)
+        assert tables.cpu().numpy().tolist() == host.block_tables.tolist() and tables.data_ptr() % 16 == 0
