@@ -23,8 +23,7 @@ def _payload_len(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: in
 
 def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
     """`None` tells the other ranks to leave their step loop. One broadcast when the step's payload fits the first
-    message beside its header, else a second one for the payload: each costs the host of every rank tens of
-    microseconds a step."""
+    message beside its header, else a second one for the payload: each is host work on every rank, every step."""
     message = torch.zeros(_MESSAGE, dtype=torch.int64)
     if host is None:
         message[1] = _STOP
