@@ -12,7 +12,6 @@ captured in a CUDA graph and replayed, per link:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch

@@ -17,8 +17,9 @@ _HEADER = 7
 _MESSAGE = 512  # int64 words of the first message: the header, and the payload when it fits (decode steps)
 
 
-def _payload_len(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int) -> int:
-    return 4 * num_tokens + 2 * num_seqs + 1 + num_seqs * max_blocks + num_logits
+def _packed_len(num_tokens: int, num_seqs: int) -> int:
+    """HostInputs.packed: four values a token, the sequences' ends and their query starts (one more)."""
+    return 4 * num_tokens + 2 * num_seqs + 1
 
 
 def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
@@ -50,14 +51,14 @@ def receive_step(tp: TensorParallel) -> HostInputs | None:
         message[:_HEADER].tolist())
     if num_seqs == _STOP:
         return None
-    size = _payload_len(num_tokens, num_seqs, max_blocks, num_logits)
+    packed_len = _packed_len(num_tokens, num_seqs)
+    size = packed_len + num_seqs * max_blocks + num_logits
     if _HEADER + size <= _MESSAGE:
         data = message.numpy()[_HEADER: _HEADER + size]
     else:
         payload = torch.empty(size, dtype=torch.int64)
         dist.broadcast(payload, src=0, group=tp.cpu_group)
         data = payload.numpy()
-    packed_len = 4 * num_tokens + 2 * num_seqs + 1
     tables = data[packed_len: packed_len + num_seqs * max_blocks].astype(np.int32).reshape(num_seqs, max_blocks)
     return HostInputs(
         packed=data[:packed_len],
