@@ -78,16 +78,21 @@ try:
     r = json.load(open(sys.argv[1]))
 except OSError:
     sys.exit()
-flat = dict(r)
-for k, v in r.items():
-    if isinstance(v, dict):
-        flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+flat = {}
+def walk(prefix, value):
+    flat[prefix] = value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            walk(f"{prefix}.{k}" if prefix else k, v)
+walk("", r)
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio", "gemm_speedup",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
-        "nccl_graph_us", "symmetric_graph_us", "wall_ms_per_step", "kernel_ms_per_step")
+        "nccl_graph_us", "symmetric_graph_us", "wall_ms_per_step", "kernel_ms_per_step",
+        "per_link_us.fused.best", "per_link_us.nccl.best", "per_link_us.local.best")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
-print("  ".join(f"{k.split('.')[-1]}={fmt(flat[k])}" for k in keys if k in flat))
+name = lambda k: "_".join(k.split(".")[-2:]) if k.startswith("per_link_us.") else k.split(".")[-1]
+print("  ".join(f"{name(k)}={fmt(flat[k])}" for k in keys if k in flat))
 PYEOF
 )
   [[ $name == gpu_tests ]] && summary=$PYTEST_LINE
