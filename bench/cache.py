@@ -1,7 +1,8 @@
 """Semantic cache benchmarks (results go to BENCHMARKS.md, '## Semantic cache').
 
-    .venv/bin/python bench/cache.py [--sections index,latency,replay,mock,dev] [--json]
+    .venv/bin/python bench/cache.py [--sections embedder,index,latency,replay,mock,dev] [--sizes 10000,100000]
 
+- embedder: one prompt's embedding, ONNX Runtime (shipped) against sentence-transformers in PyTorch, one thread.
 - index:   exact IndexFlatIP vs HNSW search time and HNSW recall@1 by namespace size (why
            cache/index.py switches at HNSW_THRESHOLD).
 - latency: SemanticCache.lookup p50/p99 at 10k and 100k entries in one namespace, verifier
@@ -58,6 +59,32 @@ class CosineOnly:
 
 def pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(np.array(values), q)), 3)
+
+
+def bench_embedder(sentences: list[str], probes: int = 300) -> dict:
+    import torch
+
+    from cache.embedder import Embedder
+
+    torch.set_num_threads(1)  # as shared_embedder() sets it for the gateway
+    rng = np.random.default_rng(SEED)
+    texts = [sentences[i] for i in rng.choice(len(sentences), probes, replace=False)]
+    out, vectors = {}, {}
+    for backend in ("onnx", "torch"):
+        emb = Embedder(backend=backend)
+        for t in texts[:10]:  # warm-up
+            emb.encode_one(t)
+        ms = []
+        for t in texts:
+            start = time.perf_counter()
+            emb.encode_one(t)
+            ms.append((time.perf_counter() - start) * 1000)
+        vectors[backend] = emb.encode(texts)
+        out[backend] = {"ms_p50": pct(ms, 50), "ms_p99": pct(ms, 99)}
+        print(f"embedder {backend}: {out[backend]}", file=sys.stderr, flush=True)
+    out["speedup_p50"] = round(out["torch"]["ms_p50"] / out["onnx"]["ms_p50"], 2)
+    out["max_abs_difference"] = float(np.abs(vectors["onnx"] - vectors["torch"]).max())
+    return out
 
 
 def bench_index(vecs: np.ndarray, queries: np.ndarray) -> dict:
@@ -263,12 +290,14 @@ def bench_dev(verifiers: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="index,latency,replay,mock,dev")
+    ap.add_argument("--sections", default="embedder,index,latency,replay,mock,dev")
     ap.add_argument("--sizes", default="10000,100000")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     verifiers = {"verifier": Verifier.load(), "cosine_0.8": CosineOnly(0.8)}
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (shared)"}
+    if "embedder" in sections:
+        report["embedder"] = bench_embedder(qqp_sentences())
     if sections & {"index", "latency"}:
         sentences = qqp_sentences()
         vecs = embed_texts(sentences, "qqp")

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 MODEL_DIRNAME = "all-MiniLM-L6-v2"
 DIM = 384
@@ -50,38 +53,76 @@ def ensure_model_dir(root: Path | None = None) -> Path:
 
 
 class Embedder:
-    """Unit-norm float32 embeddings (so inner product = cosine)."""
+    """Unit-norm float32 embeddings (so inner product = cosine).
+
+    backend "onnx" (the default on CPU) runs the model through ONNX Runtime (cache/embedder_onnx.py), "torch" through
+    sentence-transformers; both tokenize with sentence-transformers and give the same vectors to ~1e-7.
+    TOLLGATE_EMBEDDER_BACKEND sets the default."""
 
     dim = DIM
 
-    def __init__(self, model_dir: Path | None = None, device: str = "cpu", lora: Path | None | bool = True) -> None:
+    def __init__(self, model_dir: Path | None = None, device: str = "cpu", lora: Path | None | bool = True,
+                 backend: str | None = None) -> None:
         """`lora`: True applies the shipped fine-tuning deltas when present, False none, a path those."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        backend = backend or os.environ.get("TOLLGATE_EMBEDDER_BACKEND") or ("onnx" if device == "cpu" else "torch")
+        if backend not in ("onnx", "torch"):
+            raise ValueError(f"backend: 'onnx' or 'torch' expected, got {backend!r}")
+        if backend == "onnx" and device != "cpu":
+            raise ValueError(f"backend: 'onnx' runs on the CPU only, got device {device!r}")
         from sentence_transformers import SentenceTransformer
 
+        from cache import embedder_onnx
         from cache.lora import DEFAULT_LORA, apply_lora
 
-        self._model = SentenceTransformer(str(model_dir or ensure_model_dir()), device=device)
+        model_dir = Path(model_dir or ensure_model_dir())
+        self._model = SentenceTransformer(str(model_dir), device=device)
         self._model.float()  # compute in float32 whatever the stored weights' dtype
         lora_path = DEFAULT_LORA if lora is True else (lora or None)
-        if lora_path is not None and Path(lora_path).exists():
+        lora_path = Path(lora_path) if lora_path is not None and Path(lora_path).exists() else None
+        if lora_path is not None:
             apply_lora(self._model[0].auto_model, lora_path)
         self._model.eval()
+        self._onnx: embedder_onnx.OnnxEncoder | None = None
+        if backend == "onnx":
+            if embedder_onnx.available():
+                path = embedder_onnx.export_path(model_dir, lora_path)
+                if not path.exists():
+                    log.info("exporting the embedder to %s (once per model)", path)
+                    embedder_onnx.export(self._model[0].auto_model, path)
+                self._onnx = embedder_onnx.OnnxEncoder(path)
+            else:
+                log.warning("onnxruntime or onnx is not installed: the embedder runs in PyTorch")
         self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return "torch" if self._onnx is None else "onnx"
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)
         with self._lock:
-            out = self._model.encode(
-                texts,
-                batch_size=batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            )
+            if self._onnx is None:
+                out = self._model.encode(
+                    texts,
+                    batch_size=batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,
+                )
+            else:
+                out = self._encode_onnx(texts, batch_size)
         return np.ascontiguousarray(out, dtype=np.float32)
+
+    def _encode_onnx(self, texts: list[str], batch_size: int) -> np.ndarray:
+        out = np.empty((len(texts), DIM), dtype=np.float32)
+        order = np.argsort([-len(t) for t in texts], kind="stable")  # similar lengths share a batch's padding
+        for start in range(0, len(texts), batch_size):
+            rows = order[start : start + batch_size]
+            out[rows] = self._onnx(self._model.preprocess([texts[i] for i in rows]))
+        return out
 
     def encode_one(self, text: str) -> np.ndarray:
         return self.encode([text])[0]

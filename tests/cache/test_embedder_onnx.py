@@ -1,0 +1,70 @@
+"""The ONNX Runtime embedder against the same model in PyTorch (sentence-transformers), the independent reference."""
+import logging
+
+import numpy as np
+import pytest
+
+from cache import embedder_onnx
+from cache.embedder import Embedder, ensure_model_dir
+from cache.lora import DEFAULT_LORA
+
+TEXTS = [
+    "How do I learn Excel quickly?",
+    "  leading and trailing spaces  ",
+    "",
+    "Ünïcödé — why does this question have accents?",
+    "a long prompt " * 300,  # past the model's 256 tokens: truncated the same way
+    "What is the best way to lose weight without dieting?",
+    "Why?",
+]
+
+
+@pytest.fixture(scope="module")
+def torch_embedder() -> Embedder:
+    return Embedder(backend="torch")
+
+
+def test_the_shared_embedder_runs_through_onnx(embedder):
+    assert embedder.backend == "onnx"
+
+
+def test_onnx_vectors_equal_pytorch_vectors(embedder, torch_embedder):
+    got = embedder.encode(TEXTS, batch_size=3)  # batches of mixed lengths: padding and reordering
+    want = torch_embedder.encode(TEXTS, batch_size=3)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    one_by_one = np.stack([embedder.encode_one(t) for t in TEXTS])
+    np.testing.assert_allclose(one_by_one, got, atol=1e-5)
+
+
+def test_onnx_vectors_on_random_words(embedder, torch_embedder):
+    rng = np.random.default_rng(0)
+    words = "cache model tenant question answer price token GPU replica the a of why how what is".split()
+    texts = [" ".join(rng.choice(words, size=rng.integers(1, 40))) for _ in range(20)]
+    np.testing.assert_allclose(embedder.encode(texts), torch_embedder.encode(texts), atol=1e-5)
+
+
+def test_backend_names_are_checked():
+    with pytest.raises(ValueError, match="backend"):
+        Embedder(backend="tpu")
+    with pytest.raises(ValueError, match="backend"):
+        Embedder(device="cuda", backend="onnx")
+
+
+def test_the_export_is_named_by_the_deltas_it_holds(tmp_path, embedder):
+    model_dir = ensure_model_dir()
+    other = tmp_path / "other_lora.npz"
+    other.write_bytes(DEFAULT_LORA.read_bytes() + b"changed")
+    shipped = embedder_onnx.export_path(model_dir, DEFAULT_LORA)
+    assert shipped.exists()  # written when the shared embedder loaded
+    assert embedder_onnx.export_path(model_dir, other) != shipped
+    assert embedder_onnx.export_path(model_dir, None) != shipped
+
+
+def test_without_onnxruntime_the_embedder_runs_in_pytorch(monkeypatch, caplog, torch_embedder):
+    monkeypatch.setattr(embedder_onnx, "available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="cache.embedder"):
+        fallback = Embedder(backend="onnx")
+    assert fallback.backend == "torch"
+    assert "onnxruntime" in caplog.text
+    np.testing.assert_allclose(fallback.encode(TEXTS[:2]), torch_embedder.encode(TEXTS[:2]), atol=1e-6)
