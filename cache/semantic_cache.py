@@ -78,26 +78,15 @@ class SemanticCache:
     # ---- public API -------------------------------------------------------------------------
 
     def lookup(self, namespace: Namespace, prompt: str, embedding: np.ndarray | None = None) -> Hit | None:
+        now = self._clock()
+        with self._lock:  # the same prompt in the same namespace needs neither the embedder nor the verifier
+            exact = self._exact_hit(namespace, prompt, now)
+            if exact is not None:
+                return self._count(namespace, exact, now)
         q = self._embed(prompt) if embedding is None else embedding
         now = self._clock()
         with self._lock:
-            hit = self._best_candidate(namespace, prompt, q, now)
-            stats = self._stats.setdefault(namespace.tenant, CacheStats())
-            stats.lookups += 1
-            if hit is None:
-                self._store.bump_counters(namespace.tenant, 1, 0, 0, 0, 0.0)
-                return None
-            entry = self._entries[hit.entry_id]
-            entry.last_used = now
-            self._lru.move_to_end(hit.entry_id)
-            self._store.record_hit(hit.entry_id, now)
-            pt, ct, dollars = _usage_numbers(entry.usage)
-            stats.hits += 1
-            stats.saved_prompt_tokens += pt
-            stats.saved_completion_tokens += ct
-            stats.saved_dollars += dollars
-            self._store.bump_counters(namespace.tenant, 1, 1, pt, ct, dollars)
-            return hit
+            return self._count(namespace, self._best_candidate(namespace, prompt, q, now), now)
 
     def store(
         self,
@@ -182,6 +171,34 @@ class SemanticCache:
 
     def _embed(self, prompt: str) -> np.ndarray:
         return self.embedder.encode([prompt])[0]
+
+    def _count(self, namespace: Namespace, hit: Hit | None, now: float) -> Hit | None:
+        """Records a lookup's outcome (stats, LRU order, the entry's last use) and returns it."""
+        stats = self._stats.setdefault(namespace.tenant, CacheStats())
+        stats.lookups += 1
+        if hit is None:
+            self._store.bump_counters(namespace.tenant, 1, 0, 0, 0, 0.0)
+            return None
+        entry = self._entries[hit.entry_id]
+        entry.last_used = now
+        self._lru.move_to_end(hit.entry_id)
+        self._store.record_hit(hit.entry_id, now)
+        pt, ct, dollars = _usage_numbers(entry.usage)
+        stats.hits += 1
+        stats.saved_prompt_tokens += pt
+        stats.saved_completion_tokens += ct
+        stats.saved_dollars += dollars
+        self._store.bump_counters(namespace.tenant, 1, 1, pt, ct, dollars)
+        return hit
+
+    def _exact_hit(self, ns: Namespace, prompt: str, now: float) -> Hit | None:
+        """The live entry stored for this very prompt in this namespace, if any (an expired one is left to
+        _best_candidate, which removes it)."""
+        entry_id = self._exact.get((ns.tenant, ns.key, prompt))
+        entry = None if entry_id is None else self._entries.get(entry_id)
+        if entry is None or now - entry.created > self.ttl_s:
+            return None
+        return Hit(entry_id, entry.answer, dict(entry.usage), 1.0, 1.0, entry.prompt)
 
     def _best_candidate(self, ns: Namespace, prompt: str, q: np.ndarray, now: float) -> Hit | None:
         index = self._indexes.get((ns.tenant, ns.key))

@@ -147,3 +147,36 @@ def test_storing_the_same_prompt_replaces_the_answer(make_cache):
     cache.store(NS_A, QUESTION, "new")
     assert len(cache) == 1
     assert cache.lookup(NS_A, QUESTION).answer == "new"
+
+
+class CountingEmbedder:
+    """The real embedder, counting the prompts it embeds."""
+
+    def __init__(self, embedder) -> None:
+        self.embedder, self.prompts = embedder, 0
+        self.dim = embedder.dim
+
+    def encode(self, texts, batch_size: int = 64):
+        self.prompts += len(texts)
+        return self.embedder.encode(texts, batch_size)
+
+
+def test_an_exact_repeat_is_served_without_embedding(embedder, verifier, clock, tmp_path):
+    from cache.semantic_cache import SemanticCache
+
+    counting = CountingEmbedder(embedder)
+    cache = SemanticCache(tmp_path / "exact", embedder=counting, verifier=verifier, clock=clock, ttl_s=60)
+    entry_id = cache.store(NS_A, QUESTION, "answer", USAGE)
+    assert counting.prompts == 1
+    hit = cache.lookup(NS_A, QUESTION)
+    assert (hit.entry_id, hit.similarity, hit.answer) == (entry_id, 1.0, "answer")
+    assert counting.prompts == 1  # neither embedded nor verified
+    assert cache.stats("tenant-a").hits == 1 and cache.stats("tenant-a").saved_tokens == 42
+    assert cache.lookup(NS_B, QUESTION) is None  # another tenant's identical prompt goes the long way, and misses
+    assert counting.prompts == 2
+    assert cache.lookup(NS_A, PARAPHRASE).entry_id == entry_id
+    assert counting.prompts == 3
+    clock.advance(61)
+    assert cache.lookup(NS_A, QUESTION) is None  # expired: not served, and removed
+    assert len(cache) == 0
+    cache.close()
