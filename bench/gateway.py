@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from billing.accounts import create_key, create_tenant  # noqa: E402
 from billing.db import make_engine  # noqa: E402
+from billing.field_checks import MAX_SQL_INT  # noqa: E402
 from billing.migrate import upgrade  # noqa: E402
 from engine.config import SamplingParams  # noqa: E402
 from gateway.app import create_app  # noqa: E402
@@ -115,7 +116,7 @@ def main() -> None:
     create_tenant(db, f"bench-plain-{os.getpid()}")
     create_tenant(db, f"bench-{os.getpid()}", budget_usd=1e9)
     plain_key = create_key(db, f"bench-plain-{os.getpid()}").key
-    limited_key = create_key(db, f"bench-{os.getpid()}", rpm=10**9, tpm=10**12, budget_usd=1e9).key
+    limited_key = create_key(db, f"bench-{os.getpid()}", rpm=10**9, tpm=MAX_SQL_INT, budget_usd=1e9).key
 
     spec = load_spec(SPEC)
     spec = spec.model_copy(update={"engine": {**spec.engine, "max_model_len": 1024}})
