@@ -40,6 +40,12 @@ class HostInputs:
     num_previous_rows: int = 0
 
 
+def packed_sections(num_tokens: int, num_seqs: int) -> list[int]:
+    """Lengths of HostInputs.packed's parts: token ids, positions, slots, previous-step rows, seq ends, query
+    starts (one more than the sequences)."""
+    return [num_tokens] * 4 + [num_seqs, num_seqs + 1]
+
+
 def _scheduled_tokens(seq: Sequence, start: int, end: int) -> list[int]:
     """Tokens start..end of seq, where those past its token_ids are its draft tokens."""
     if end <= seq.num_tokens:
@@ -131,7 +137,7 @@ def _staged(host: HostInputs, device: torch.device) -> tuple[torch.Tensor, torch
 def device_inputs(host: HostInputs, device: torch.device, previous_ids: torch.Tensor | None = None) -> BatchInputs:
     total, n = host.num_tokens, host.num_seqs
     packed, tables_t = _staged(host, device)
-    ids_t, pos_t, slots_t, rows_t, lens_t, qsl_t = packed.split([total, total, total, total, n, n + 1])
+    ids_t, pos_t, slots_t, rows_t, lens_t, qsl_t = packed.split(packed_sections(total, n))
     if host.num_previous_rows:
         ids_t = torch.where(rows_t >= 0, previous_ids[rows_t.clamp(min=0)], ids_t)
     meta = AttentionMetadata(

@@ -9,17 +9,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.batch_inputs import HostInputs
+from engine.batch_inputs import HostInputs, packed_sections
 from engine.distributed.parallel_state import TensorParallel
 
 _STOP = -1
 _HEADER = 7
 _MESSAGE = 512  # int64 words of the first message: the header, and the payload when it fits (decode steps)
-
-
-def _packed_len(num_tokens: int, num_seqs: int) -> int:
-    """HostInputs.packed: four values a token, the sequences' ends and their query starts (one more)."""
-    return 4 * num_tokens + 2 * num_seqs + 1
 
 
 def send_step(tp: TensorParallel, host: HostInputs | None) -> None:
@@ -51,7 +46,7 @@ def receive_step(tp: TensorParallel) -> HostInputs | None:
         message[:_HEADER].tolist())
     if num_seqs == _STOP:
         return None
-    packed_len = _packed_len(num_tokens, num_seqs)
+    packed_len = sum(packed_sections(num_tokens, num_seqs))
     size = packed_len + num_seqs * max_blocks + num_logits
     if _HEADER + size <= _MESSAGE:
         data = message.numpy()[_HEADER: _HEADER + size]
