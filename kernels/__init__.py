@@ -33,6 +33,7 @@ __all__ = [
     "linear_silu_and_mul",
     "paged_attention",
     "rms_norm",
+    "rotary_decode_attention",
     "rotary_embedding",
     "rotary_kv_store",
     "silu_and_mul",
@@ -260,3 +261,26 @@ def int4_linear(
         return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias, gated=gated)
     out = _ref.int4_linear(x, qweight, scales, zeros, group_size, bias)
     return _ref.silu_and_mul(out) if gated else out
+
+
+def rotary_decode_attention(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rotary_kv_store of the new tokens (one per sequence), then decode_attention of the rotated q; on CUDA one kernel
+    does both where the head_dim is a power of two."""
+    if (ops := _triton_for(q)) and ops.decode.fuses_rotary(q.shape[-1]):
+        return ops.decode.rotary_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                  block_tables, seq_lens, scale, kv_scales)
+    q = rotary_kv_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_scales)
+    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)

@@ -70,6 +70,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
+        if self.qk_rotation is None and meta.decode_only:
+            out = ops.rotary_decode_attention(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                              meta.block_tables, meta.seq_lens, self.scale, self.kv_scales)
+            return out.reshape(num_tokens, self.q_size)
         if self.qk_rotation is None:
             q = ops.rotary_kv_store(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, self.kv_scales)
         else:
