@@ -62,8 +62,9 @@ class Embedder:
     dim = DIM
 
     def __init__(self, model_dir: Path | None = None, device: str = "cpu", lora: Path | None | bool = True,
-                 backend: str | None = None) -> None:
-        """`lora`: True applies the shipped fine-tuning deltas when present, False none, a path those."""
+                 backend: str | None = None, threads: int | None = None) -> None:
+        """`lora`: True applies the shipped fine-tuning deltas when present, False none, a path those. `threads`: the
+        most ONNX Runtime threads a prompt may use (cache/embedder_onnx.py; TOLLGATE_EMBEDDER_THREADS, else 2)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         backend = backend or os.environ.get("TOLLGATE_EMBEDDER_BACKEND") or ("onnx" if device == "cpu" else "torch")
@@ -91,7 +92,7 @@ class Embedder:
                 if not path.exists():
                     log.info("exporting the embedder to %s (once per model)", path)
                     embedder_onnx.export(self._model[0].auto_model, path)
-                self._onnx = embedder_onnx.OnnxEncoder(path)
+                self._onnx = embedder_onnx.OnnxEncoder(path, threads)
             else:
                 log.warning("onnxruntime or onnx is not installed: the embedder runs in PyTorch")
         self._lock = threading.Lock()

@@ -66,18 +66,62 @@ def export(bert, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def default_threads() -> int:
+    """TOLLGATE_EMBEDDER_THREADS, else two where the host has two cores or more."""
+    value = os.environ.get("TOLLGATE_EMBEDDER_THREADS")
+    if value is None:
+        return min(2, os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TOLLGATE_EMBEDDER_THREADS: a whole number >= 1 expected, got {value!r}")
+    return int(value)
+
+
+def _other_runnable_tasks() -> int | None:
+    """Threads on the host ready to run now besides the caller (/proc/loadavg's running count), or None off Linux."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class OnnxEncoder:
-    """Tokenized batches (INPUTS as int64 arrays) -> unit-norm float32 embeddings [batch, dim]. One thread: a prompt
-    is too small to split, and on a busy host a second thread waits for a core (as torch's did, cache/embedder.py)."""
+    """Tokenized batches (INPUTS as int64 arrays) -> unit-norm float32 embeddings [batch, dim].
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
-        import onnxruntime as ort
+    With `threads` > 1 a prompt runs on that many threads while the host has as many cores free at that moment, and
+    on one thread otherwise: a thread that has to wait for a busy core stalls each of the encoder's parallel sections
+    (on this 2-core box with one core busy, two threads took 6.3 ms at p50 against 3.4 ms on one; on an idle host
+    they take 2.3). The parallel session's threads stop spinning after each call, so they do not count as busy at the
+    next one. Its weights are a second copy (~90 MB)."""
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = max(1, threads)
-        options.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    def __init__(self, path: Path, threads: int | None = None) -> None:
+        self.threads = default_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads: >= 1 expected, got {self.threads}")
+        self._single = _session(path, 1)
+        self._parallel = _session(path, self.threads) if self.threads > 1 else None
+        self.parallel_calls = 0
+
+    def _pick(self):
+        if self._parallel is None:
+            return self._single
+        others = _other_runnable_tasks()
+        if others is None or others > (os.cpu_count() or 1) - self.threads:
+            return self._single
+        self.parallel_calls += 1
+        return self._parallel
 
     def __call__(self, features: dict) -> np.ndarray:
         feeds = {name: np.asarray(features[name], dtype=np.int64) for name in INPUTS}
-        return self._session.run(None, feeds)[0]
+        return self._pick().run(None, feeds)[0]
+
+
+def _session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if threads > 1:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

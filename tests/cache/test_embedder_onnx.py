@@ -68,3 +68,42 @@ def test_without_onnxruntime_the_embedder_runs_in_pytorch(monkeypatch, caplog, t
     assert fallback.backend == "torch"
     assert "onnxruntime" in caplog.text
     np.testing.assert_allclose(fallback.encode(TEXTS[:2]), torch_embedder.encode(TEXTS[:2]), atol=1e-6)
+
+
+def _tokenized(embedder, texts):
+    return embedder._model.preprocess(texts)
+
+
+def test_two_threads_run_while_a_core_is_free_and_give_the_same_vectors(monkeypatch, embedder):
+    path = embedder_onnx.export_path(ensure_model_dir(), DEFAULT_LORA)
+    encoder = embedder_onnx.OnnxEncoder(path, threads=2)
+    single = embedder_onnx.OnnxEncoder(path, threads=1)
+    features = _tokenized(embedder, TEXTS[:4])
+    cores = 2
+    monkeypatch.setattr(embedder_onnx.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(embedder_onnx, "_other_runnable_tasks", lambda: 0)
+    parallel = encoder(features)
+    assert encoder.parallel_calls == 1
+    monkeypatch.setattr(embedder_onnx, "_other_runnable_tasks", lambda: 1)  # the other core is busy
+    encoder(features)
+    monkeypatch.setattr(embedder_onnx, "_other_runnable_tasks", lambda: None)  # no /proc/loadavg: stay on one
+    encoder(features)
+    assert encoder.parallel_calls == 1
+    np.testing.assert_allclose(parallel, single(features), atol=1e-6)
+    assert single.parallel_calls == 0 and single._parallel is None
+
+
+def test_the_host_reports_its_runnable_tasks():
+    others = embedder_onnx._other_runnable_tasks()
+    assert others is None or others >= 0  # this test itself is running
+
+
+def test_thread_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TOLLGATE_EMBEDDER_THREADS", "1")
+    assert embedder_onnx.default_threads() == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("TOLLGATE_EMBEDDER_THREADS", bad)
+        with pytest.raises(ValueError, match="TOLLGATE_EMBEDDER_THREADS"):
+            embedder_onnx.default_threads()
+    monkeypatch.delenv("TOLLGATE_EMBEDDER_THREADS")
+    assert 1 <= embedder_onnx.default_threads() <= 2
