@@ -92,7 +92,9 @@ class Embedder:
                 if not path.exists():
                     log.info("exporting the embedder to %s (once per model)", path)
                     embedder_onnx.export(self._model[0].auto_model, path)
+                    embedder_onnx.remove_other_exports(path)
                 self._onnx = embedder_onnx.OnnxEncoder(path, threads)
+                _release_weights(self._model)  # from here on it only tokenizes
             else:
                 log.warning("onnxruntime or onnx is not installed: the embedder runs in PyTorch")
         self._lock = threading.Lock()
@@ -127,6 +129,16 @@ class Embedder:
 
     def encode_one(self, text: str) -> np.ndarray:
         return self.encode([text])[0]
+
+
+def _release_weights(model) -> None:
+    """Empties the PyTorch model's tensors once ONNX Runtime holds its own copy (~40 MB less resident memory here);
+    the module stays for its tokenizer."""
+    import torch
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
 
 
 _shared: Embedder | None = None

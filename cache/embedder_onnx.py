@@ -66,6 +66,15 @@ def export(bert, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def remove_other_exports(path: Path) -> None:
+    """Deletes the exports of the same model with other deltas or opsets (~90 MB each), left by earlier fine-tunings.
+    A process still running one has read it already."""
+    model_name = path.name.rsplit("-", 2)[0]  # export_path's names: model-digest-opsetN.onnx
+    for other in path.parent.glob(f"{model_name}-*.onnx"):
+        if other != path and other.name.rsplit("-", 2)[0] == model_name:
+            other.unlink(missing_ok=True)
+
+
 def default_threads() -> int:
     """TOLLGATE_EMBEDDER_THREADS, else two where the host has two cores or more."""
     value = os.environ.get("TOLLGATE_EMBEDDER_THREADS")

@@ -26,6 +26,8 @@ def torch_embedder() -> Embedder:
 
 def test_the_shared_embedder_runs_through_onnx(embedder):
     assert embedder.backend == "onnx"
+    assert sum(t.numel() for t in embedder._model.parameters()) == 0  # PyTorch's copy of the weights is released
+    assert embedder.encode_one("still embeds").shape == (384,)
 
 
 def test_onnx_vectors_equal_pytorch_vectors(embedder, torch_embedder):
@@ -107,3 +109,12 @@ def test_thread_count_from_the_environment(monkeypatch):
             embedder_onnx.default_threads()
     monkeypatch.delenv("TOLLGATE_EMBEDDER_THREADS")
     assert 1 <= embedder_onnx.default_threads() <= 2
+
+
+def test_a_new_export_removes_the_same_models_older_ones(tmp_path):
+    names = ["all-MiniLM-L6-v2-aaaa-opset17.onnx", "all-MiniLM-L6-v2-bbbb-opset17.onnx",
+             "all-MiniLM-L6-v2-cccc-opset16.onnx", "other-model-dddd-opset17.onnx", "all-MiniLM-L6-v2.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    embedder_onnx.remove_other_exports(tmp_path / names[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:2] + names[3:])
