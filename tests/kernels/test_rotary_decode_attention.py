@@ -119,6 +119,7 @@ def test_rotary_decode_attention_rejects_bad_inputs(device):
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 @pytest.mark.parametrize(("seq_lens", "heads", "kv_heads"), [
     ([384], 32, 8), ([384], 16, 4), ([1], 32, 8), ([700, 5, 2048, 129], 32, 8),
+    ([700, 5, 2048, 129, 1, 64, 300, 17], 32, 8),  # past 4 sequences: the batched launch configuration
 ])
 def test_rotary_decode_attention_gpu_llama_shapes(cache, seq_lens, heads, kv_heads):
     """bf16 at Llama-3-8B's shapes (and a tensor-parallel rank's half), the splits chosen from the shapes as the
