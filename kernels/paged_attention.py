@@ -25,6 +25,7 @@ from kernels.attention_tile import attend_tile
 from kernels.cache_ops import check_cache_inputs, quantize
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.reference import check_kv_scales
+from kernels.rotary import check_rotary_inputs
 from kernels.rotary_tile import cos_sin_tile, rotated_tile
 
 LOG2E = math.log2(math.e)
@@ -334,10 +335,9 @@ def rotary_decode_attention(
     stored; seq_lens counts them. Needs an even head_dim that is a power of two (`fuses_rotary`)."""
     if not fuses_rotary(q.shape[-1]):
         raise ValueError(f"q: head_dim {q.shape[-1]} is not a power of two >= 16; rotate and store separately")
-    if not (q.shape[0] == k.shape[0] == positions.shape[0] == slot_mapping.shape[0]):
+    check_rotary_inputs(q, k, cos_sin_cache)
+    if not q.shape[0] == positions.shape[0] == slot_mapping.shape[0]:
         raise ValueError("q, k, positions and slot_mapping need one row per sequence")
-    if cos_sin_cache.shape[-1] != q.shape[-1]:
-        raise ValueError("cos_sin_cache [max_position, D] does not match q's head_dim")
     quant = check_cache_inputs(k, v, k_cache, v_cache, kv_scales)[1]
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     cos_sin = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
