@@ -38,6 +38,8 @@ class HostInputs:
     logits_indices: list[int]
     # length of the previous step's sampled-token tensor that PENDING inputs read from; 0 when none is pending
     num_previous_rows: int = 0
+    # every rank picks the rows' argmax tokens from its vocabulary shard instead of returning gathered logits
+    greedy_tokens: bool = False
 
 
 def packed_sections(num_tokens: int, num_seqs: int) -> list[int]:
@@ -64,7 +66,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     return device_inputs(host_inputs(batch, block_size), device)
 
 
-def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int = 0) -> HostInputs:
+def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int = 0,
+                greedy_tokens: bool = False) -> HostInputs:
     seqs = batch.seqs
     n = len(seqs)
     num_new = np.fromiter(batch.num_new_tokens, dtype=np.int64, count=n)
@@ -111,6 +114,7 @@ def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int =
         max_seq_len=int(ends.max()),
         logits_indices=_logits_rows(query_start[1:][caught_up] - 1, num_drafts[caught_up]),
         num_previous_rows=num_previous_rows if pending.any() else 0,
+        greedy_tokens=greedy_tokens,
     )
 
 

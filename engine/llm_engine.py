@@ -183,9 +183,13 @@ class LLMEngine:
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
         previous = self.in_flight
+        greedy = None
         if batch.seqs:
             self._count_prompt_tokens(batch)
-            logits, sampled_seqs = self.runner.forward_logits(batch, previous)
+            if self.overlap and self.runner.picks_greedy_on_shards(batch.seqs):
+                greedy = self.runner.forward_greedy(batch, previous)
+            else:
+                logits, sampled_seqs = self.runner.forward_logits(batch, previous)
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += num_new
             self.metrics.num_steps += 1
@@ -194,7 +198,11 @@ class LLMEngine:
         if previous is not None:
             self._accept(self._read_in_flight(previous), touched)
         deferred = None
-        if batch.seqs:
+        if greedy is not None:
+            for seq in batch.seqs:
+                self.kv.cache_computed_blocks(seq)
+            deferred = greedy if greedy.seqs else None
+        elif batch.seqs:
             if self.overlap and sampled_seqs and all(seq.logprobs is None for seq in sampled_seqs):
                 for seq in batch.seqs:
                     self.kv.cache_computed_blocks(seq)

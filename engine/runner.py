@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        # the last step's greedy tokens when every rank picked them (forward_greedy), else None
+        self.picked_tokens: torch.Tensor | None = None
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_kv_heads = model_config.num_key_value_heads // tp.size
         self.num_blocks = tp.min_over_ranks(self._choose_num_blocks())
@@ -147,20 +150,46 @@ class ModelRunner:
         """Runs the batch; returns logits for the sequences whose tokens are all computed now: one row each, and
         before it one per draft token of a sequence that speculates (its last token's row, then its drafts').
         Pending input tokens are read from `previous`, the step still in flight."""
-        host = host_inputs(batch, self.block_size, previous.num_rows if previous is not None else 0)
-        logits = self.run_model(host, previous.device_ids if previous is not None else None)
+        return self._forward(batch, previous, greedy_tokens=False)
+
+    @torch.inference_mode()
+    def forward_greedy(self, batch: ScheduledBatch, previous: DeferredTokens | None = None) -> DeferredTokens:
+        """forward_logits then sample_deferred, for a batch that picks_greedy_on_shards: the tokens come from each
+        rank's vocabulary shard (no logits are gathered) and every rank holds them, so the next step's pending
+        inputs are not broadcast."""
+        tokens, sampled_seqs = self._forward(batch, previous, greedy_tokens=True)
+        return DeferredTokens(tokens, sampled_seqs)
+
+    def picks_greedy_on_shards(self, seqs: list[Sequence]) -> bool:
+        """Whether forward_greedy serves these sequences: tensor parallelism (with one rank the logits are not
+        gathered anyway) and, for each, the plain argmax of its logits: greedy, no penalties, no logprobs, no
+        draft tokens, no tokens banned short of min_tokens. TOLLGATE_TP_GREEDY_ON_SHARDS=0 turns it off."""
+        if self.tp.size == 1 or os.environ.get("TOLLGATE_TP_GREEDY_ON_SHARDS", "1") == "0":
+            return False
+        return all(
+            seq.params.temperature == 0.0 and not _uses_penalties(seq.params) and seq.params.logprobs is None
+            and not seq.spec_token_ids and seq.num_output_tokens >= seq.params.min_tokens
+            for seq in seqs
+        )
+
+    def _forward(self, batch: ScheduledBatch, previous: DeferredTokens | None, greedy_tokens: bool
+                 ) -> tuple[torch.Tensor, list[Sequence]]:
+        host = host_inputs(batch, self.block_size, previous.num_rows if previous is not None else 0, greedy_tokens)
+        out = self.run_model(host, previous.device_ids if previous is not None else None)
         sampled_seqs = [
             seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
         ]
-        return logits, sampled_seqs
+        return out, sampled_seqs
 
     @torch.inference_mode()
     def run_model(self, host: HostInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The forward pass every tensor-parallel rank runs; rank 0 first sends the step to the others."""
+        """The forward pass every tensor-parallel rank runs; rank 0 first sends the step to the others. Returns the
+        logits, or for a greedy_tokens step the argmax tokens (which every rank keeps for the next step)."""
         if self.tp.size > 1:
             if self.tp.is_driver:
                 send_step(self.tp, host)
-            previous_ids = share_previous_tokens(self.tp, host, previous_ids, self.device)
+            previous_ids = share_previous_tokens(self.tp, host, previous_ids, self.device, self.picked_tokens)
+        self.picked_tokens = None
         inputs = device_inputs(host, self.device, previous_ids)
         meta, logits_indices = inputs.meta, inputs.logits_indices
         graphs = next((g for g in (self.graphs, self.verify_graphs)
@@ -171,9 +200,14 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
         if not logits_indices:
+            if host.greedy_tokens:
+                return torch.empty(0, dtype=torch.int64, device=self.device)
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         if len(logits_indices) < hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(logits_indices, torch.int64, self.device))
+        if host.greedy_tokens:
+            self.picked_tokens = self.model.compute_greedy_tokens(hidden)
+            return self.picked_tokens
         return self.model.compute_logits(hidden)
 
     def serve_steps(self) -> None:

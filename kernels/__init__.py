@@ -25,6 +25,7 @@ from kernels import reference as _ref
 __all__ = [
     "add_rms_norm",
     "argmax",
+    "argmax_candidates",
     "decode_attention",
     "int4_linear",
     "int8_linear",
@@ -32,6 +33,7 @@ __all__ = [
     "linear",
     "linear_silu_and_mul",
     "paged_attention",
+    "pick_argmax_candidate",
     "rms_norm",
     "rotary_decode_attention",
     "rotary_embedding",
@@ -117,6 +119,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ops := _triton_for(x):
         return ops.argmax.argmax(x)
     return _ref.argmax(x)
+
+
+def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """x [N, V <= width] -> [N, ceil(width / 4096), 2] float32: each 4096-column chunk's largest value and
+    offset + its index, for an argmax over shards of width `width` (pick_argmax_candidate)."""
+    if ops := _triton_for(x):
+        return ops.argmax.argmax_candidates(x, offset, width)
+    return _ref.argmax_candidates(x, offset, width)
+
+
+def pick_argmax_candidate(candidates: torch.Tensor) -> torch.Tensor:
+    """candidates [S, N, C, 2] of S consecutive shards -> [N] int64: the argmax over all of them."""
+    if ops := _triton_for(candidates):
+        return ops.argmax.pick_argmax_candidate(candidates)
+    return _ref.pick_argmax_candidate(candidates)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

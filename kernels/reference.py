@@ -38,6 +38,47 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+ARGMAX_CHUNK = 4096  # columns a candidate of argmax_candidates covers
+
+
+def check_candidate_inputs(x: torch.Tensor, offset: int, width: int) -> None:
+    if x.dim() != 2 or not 0 <= x.shape[1] <= width:
+        raise ValueError(f"argmax_candidates: x [N, V] with V <= width {width} expected, got {tuple(x.shape)}")
+    if offset < 0 or offset + width >= 1 << 24:
+        raise ValueError(f"argmax_candidates: indices offset..offset + width must lie in [0, 2^24) (exact in "
+                         f"float32), got {offset}..{offset + width}")
+
+
+def check_candidates(candidates: torch.Tensor) -> None:
+    if candidates.dim() != 4 or candidates.shape[-1] != 2:
+        raise ValueError(f"pick_argmax_candidate: candidates [S, N, C, 2] expected, got {tuple(candidates.shape)}")
+
+
+def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """x [N, V] (V <= width) -> [N, ceil(width / ARGMAX_CHUNK), 2] float32: each chunk's largest value and
+    offset + its first index. Columns V..width are not values (a shard's padding): the chunks are as many on
+    every shard of the same width, whatever each holds."""
+    check_candidate_inputs(x, offset, width)
+    num_chunks = -(-width // ARGMAX_CHUNK)
+    padded = x.new_full((x.shape[0], num_chunks * ARGMAX_CHUNK), float("-inf"), dtype=torch.float32)
+    padded[:, : x.shape[1]] = x
+    values, at = padded.view(x.shape[0], num_chunks, ARGMAX_CHUNK).max(dim=-1)
+    starts = torch.arange(num_chunks, device=x.device) * ARGMAX_CHUNK + offset
+    return torch.stack([values, (at + starts).float()], dim=-1)
+
+
+def pick_argmax_candidate(candidates: torch.Tensor) -> torch.Tensor:
+    """candidates [S, N, C, 2] (argmax_candidates of S consecutive shards) -> [N] int64: the index of each row's
+    first largest value, NaN counting as largest (as argmax)."""
+    check_candidates(candidates)
+    rows = candidates.transpose(0, 1).reshape(candidates.shape[1], -1, 2)  # shard-major, then chunk: index order
+    values, indices = rows[..., 0], rows[..., 1]
+    nan = values.isnan()
+    values = values.masked_fill(nan, float("inf"))
+    best = (values == values.amax(dim=-1, keepdim=True)) & (nan | ~nan.any(dim=-1, keepdim=True))
+    return indices.gather(1, best.int().argmax(dim=-1, keepdim=True)).squeeze(1).long()
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float()).to(x.dtype)

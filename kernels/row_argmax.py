@@ -12,8 +12,9 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, wait_for_earlier_kernels
+from kernels.reference import ARGMAX_CHUNK, check_candidate_inputs, check_candidates
 
-CHUNK = 4096
+CHUNK = ARGMAX_CHUNK
 
 
 @triton.jit
@@ -65,4 +66,65 @@ def argmax(x: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
                                              num_warps=8, **launch_options(x))
     _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
                                 num_warps=1, **launch_options(x))
+    return out
+
+
+@triton.jit
+def _candidates_kernel(
+    x_ptr, out_ptr, V, stride_x, offset, num_chunks,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    wait_for_earlier_kernels(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    pair = out_ptr + (row * num_chunks + chunk) * 2
+    tl.store(pair, best)
+    tl.store(pair + 1, (offset + chunk * BLOCK + at).to(tl.float32))
+
+
+@triton.jit
+def _pick_candidate_kernel(
+    c_ptr, out_ptr, num_rows, num_chunks, num_candidates,
+    CANDIDATES_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    wait_for_earlier_kernels(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, CANDIDATES_PAD)
+    pairs = ((j // num_chunks) * num_rows + row) * num_chunks + j % num_chunks  # shard-major: index order
+    values = tl.load(c_ptr + pairs * 2, mask=j < num_candidates, other=float("-inf"))
+    _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    chosen = ((best // num_chunks) * num_rows + row) * num_chunks + best % num_chunks
+    tl.store(out_ptr + row, tl.load(c_ptr + chosen * 2 + 1).to(tl.int64))
+
+
+def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """kernels.reference.argmax_candidates (NaN counts as +inf, as argmax here)."""
+    check_candidate_inputs(x, offset, width)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    num_chunks = triton.cdiv(width, CHUNK)
+    out = torch.empty(x.shape[0], num_chunks, 2, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _candidates_kernel[(x.shape[0], num_chunks)](x, out, x.shape[1], x.stride(0), offset, num_chunks,
+                                                     BLOCK=CHUNK, num_warps=8, **launch_options(x))
+    return out
+
+
+def pick_argmax_candidate(candidates: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.pick_argmax_candidate (NaN counts as +inf, as argmax here)."""
+    check_candidates(candidates)
+    shards, rows, num_chunks, _ = candidates.shape
+    candidates = candidates.contiguous()
+    out = torch.empty(rows, dtype=torch.int64, device=candidates.device)
+    if rows:
+        total = shards * num_chunks
+        _pick_candidate_kernel[(rows,)](candidates, out, rows, num_chunks, total,
+                                        CANDIDATES_PAD=triton.next_power_of_2(total), num_warps=1,
+                                        **launch_options(candidates))
     return out

@@ -54,15 +54,22 @@ class TensorParallel:
         """Unmaps the peers' exchange buffers (the fused path is off from here on)."""
         self.fused_norm = None
 
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x stacked along a new first dimension [size, *x.shape], in rank order."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        gathered = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(gathered, x, group=self.device_group)  # gloo wants the ranks along dim 0
+        return gathered.view(self.size, *x.shape)
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x side by side along the last dimension. Gathered into one tensor (rank-major rows), which
         for one row is already the result; more rows take one copy to interleave them."""
         if self.size == 1:
             return x
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        gathered = torch.empty((self.size * rows.shape[0], rows.shape[1]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(gathered, rows, group=self.device_group)
-        side_by_side = gathered.view(self.size, *rows.shape).transpose(0, 1).reshape(rows.shape[0], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        side_by_side = self.all_gather_stacked(rows).transpose(0, 1).reshape(rows.shape[0], -1)
         return side_by_side.view(*x.shape[:-1], self.size * x.shape[-1])
 
     def min_over_ranks(self, value: int) -> int:

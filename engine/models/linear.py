@@ -146,3 +146,13 @@ def vocab_parallel_logits(partial: torch.Tensor, embedding: VocabParallelEmbeddi
     """The logits of this rank's vocabulary rows [N, vocab / tp], gathered from all ranks into [N, vocab] float32."""
     logits = embedding.tp.all_gather_last_dim(partial)
     return logits[..., : embedding.vocab_size].float()
+
+
+def vocab_parallel_argmax(partial: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
+    """Each row's argmax over the whole vocabulary [N] int64, from this rank's logits [N, vocab / tp], on every
+    rank: each rank takes the largest logit of each 4096-column chunk of its shard with that logit's index, the
+    ranks exchange those few pairs a row instead of every logit, and each picks the first index of the largest,
+    the token ops.argmax would pick from the gathered logits."""
+    real = max(0, min(embedding.rows, embedding.vocab_size - embedding.start))  # the last rank may hold padding
+    candidates = ops.argmax_candidates(partial[:, :real], embedding.start, embedding.rows)
+    return ops.pick_argmax_candidate(embedding.tp.all_gather_stacked(candidates))

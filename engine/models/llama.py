@@ -19,6 +19,7 @@ from engine.models.linear import (
     VocabParallelEmbedding,
     gate_up_silu,
     row_parallel_add_rms_norm,
+    vocab_parallel_argmax,
     vocab_parallel_logits,
 )
 from engine.models.rope import cos_sin_cache
@@ -150,10 +151,17 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(self._logits_shard(hidden), self.embed_tokens)
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each row, without gathering the vocabulary-split logits."""
+        return vocab_parallel_argmax(self._logits_shard(hidden), self.embed_tokens)
+
+    def _logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
-            return vocab_parallel_logits(self.quantized_lm_head(hidden), self.embed_tokens)
+            return self.quantized_lm_head(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return vocab_parallel_logits(ops.linear(hidden, head.weight), self.embed_tokens)
+        return ops.linear(hidden, head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors in, fusing q/k/v and gate/up and keeping this rank's slice of each.

@@ -1,5 +1,5 @@
-"""Rank 0's step inputs reach rank 1 unchanged over gloo: in one message when they fit beside the header (decode
-steps), in two when they do not, and the stop signal ends the loop."""
+"""Rank 0's step inputs (the greedy flag among them) reach rank 1 unchanged over gloo: in one message when they fit
+beside the header (decode steps), in two when they do not, and the stop signal ends the loop."""
 
 import numpy as np
 import torch
@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from engine.batch_inputs import HostInputs
 from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from engine.distributed.step_channel import _MESSAGE, receive_step, send_step
+from engine.distributed.step_channel import _HEADER, _MESSAGE, receive_step, send_step
 from engine.distributed.workers import free_port
 
 
@@ -18,6 +18,7 @@ def _host(num_tokens: int, num_seqs: int, max_blocks: int, seed: int) -> HostInp
         block_tables=rng.integers(0, 1000, (num_seqs, max_blocks), dtype=np.int32),
         num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=num_tokens // num_seqs, max_seq_len=17 * seed,
         logits_indices=rng.integers(0, num_tokens, num_seqs).tolist(), num_previous_rows=seed % 3,
+        greedy_tokens=seed % 2 == 1,
     )
 
 
@@ -41,7 +42,7 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_steps_reach_the_other_rank_in_one_or_two_messages() -> None:
-    sizes = [h.packed.size + h.block_tables.size + len(h.logits_indices) + 7 for h in STEPS]
+    sizes = [h.packed.size + h.block_tables.size + len(h.logits_indices) + _HEADER for h in STEPS]
     assert min(sizes) <= _MESSAGE < max(sizes)  # both ways are taken
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -59,5 +60,6 @@ def test_steps_reach_the_other_rank_in_one_or_two_messages() -> None:
         assert np.array_equal(got.block_tables, sent.block_tables) and got.block_tables.dtype == np.int32
         assert got.block_tables.shape == sent.block_tables.shape
         assert (got.num_tokens, got.num_seqs, got.max_query_len, got.max_seq_len, got.logits_indices,
-                got.num_previous_rows) == (sent.num_tokens, sent.num_seqs, sent.max_query_len, sent.max_seq_len,
-                                           sent.logits_indices, sent.num_previous_rows)
+                got.num_previous_rows, got.greedy_tokens) == (sent.num_tokens, sent.num_seqs, sent.max_query_len,
+                                                              sent.max_seq_len, sent.logits_indices,
+                                                              sent.num_previous_rows, sent.greedy_tokens)

@@ -1,10 +1,13 @@
 """Tensor parallelism on CPU: two gloo processes split a tiny model by heads, MLP columns and vocabulary
 rows; their gathered logits equal one process's within float32 tolerance and greedy tokens are identical."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from tests.engine.conftest import tiny_hf_model
 from tests.engine.test_hf_parity import run_and_capture_logits
@@ -17,12 +20,21 @@ CASES = {
 }
 
 
-def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
+def _engine(path: str, tp: int, **quantized) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=24,
                                     num_kv_blocks=64, block_size=16, **quantized))
-    assert engine.overlap  # async steps: at TP > 1 rank 1 gets each pending input token by broadcast
+    assert engine.overlap  # async steps: at TP > 1 rank 1 reads each pending input token from rank 0 or its own
+    return engine
+
+
+def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
+    """Outputs and logits of greedy requests. The logits are gathered only when the ranks do not pick greedy
+    tokens from their shards, so that is turned off here (test_greedy_tokens_picked_on_shards covers it)."""
+    with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "0"}):
+        engine = _engine(path, tp, **quantized)
     try:
-        outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
+        with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "0"}):
+            outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
         assert engine.kv.num_used_blocks == 0
         return outputs, captured
     finally:
@@ -44,6 +56,52 @@ def test_two_ranks_match_one(case, tmp_path):
         for (n1, one), (n2, two) in zip(single_logits[rid], split_logits[rid]):
             assert n1 == n2 and two.shape == one.shape
             torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+def _generate(engine: LLMEngine, requests: list[tuple[int, str, list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Runs requests that join at the given steps; returns each one's output tokens."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while requests or engine.has_unfinished_requests():
+        while requests and requests[0][0] <= step:
+            _, rid, prompt, params = requests.pop(0)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return tokens
+
+
+def test_greedy_tokens_picked_on_shards(tmp_path):
+    """Two ranks that pick greedy tokens from their vocabulary shards decode the tokens one process decodes. The
+    steps change between picking on the shards and gathering logits: a request short of its min_tokens (its end
+    tokens banned) and a sampled request that joins later make the batch gather; the steps after a picked one
+    read its tokens on each rank, the others get them broadcast."""
+    tiny_hf_model("llama", tie_word_embeddings=False, vocab_size=301).save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    requests = [(0, "a", torch.randint(0, 300, (21,), generator=gen).tolist(), greedy),
+                (0, "b", torch.randint(0, 300, (4,), generator=gen).tolist(),
+                 SamplingParams(temperature=0, max_tokens=10, min_tokens=4)),
+                (7, "c", torch.randint(0, 300, (6,), generator=gen).tolist(),
+                 SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True))]
+    single = _engine(str(tmp_path), 1)
+    try:
+        expected = _generate(single, list(requests))
+    finally:
+        single.close()
+    split = _engine(str(tmp_path), 2)
+    picked = mock.patch.object(split.runner, "forward_greedy", wraps=split.runner.forward_greedy)
+    try:
+        with picked as forward_greedy:
+            got = _generate(split, list(requests))
+        assert split.kv.num_used_blocks == 0
+    finally:
+        split.close()
+    assert got["a"] == expected["a"] and len(got["a"]) == 14
+    assert got["b"] == expected["b"]
+    assert len(got["c"]) == 3
+    assert 4 <= forward_greedy.call_count < split.metrics.num_steps
 
 
 @pytest.mark.parametrize("quantized", [{"quantization": "int8", "kv_cache_dtype": "fp8"}, {"quantization": "int4"}],

@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -17,7 +18,10 @@ pytestmark = [
 ]
 
 
-def _run(path: str, tp: int, dtype: str, prompts: dict[str, list[int]], quantization: str | None = None):
+def _run(path: str, tp: int, dtype: str, prompts: dict[str, list[int]], quantization: str | None = None,
+         greedy_on_shards: bool = False):
+    """Outputs and the logits of each step. Logits are gathered only when the ranks do not pick greedy tokens from
+    their vocabulary shards, which is off unless asked for (then no logits come back)."""
     engine = LLMEngine(EngineConfig(model=path, device="cuda", dtype=dtype, tensor_parallel_size=tp,
                                     max_num_batched_tokens=64, num_kv_blocks=128, max_num_seqs=8, max_model_len=512,
                                     quantization=quantization))
@@ -25,7 +29,9 @@ def _run(path: str, tp: int, dtype: str, prompts: dict[str, list[int]], quantiza
         assert engine.runner.graphs is not None  # decode steps replay graphs that hold the all-reduces
         if tp > 1:  # the decode all-reduces run fused with their norms unless switched off
             assert (engine.workers.tp.fused_norm is None) == (os.environ.get("TOLLGATE_TP_FUSED_NORM") == "0")
-        return run_and_capture_logits(engine, prompts, max_tokens=24)
+        with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "1" if greedy_on_shards else "0"}):
+            outputs, logits = run_and_capture_logits(engine, prompts, max_tokens=24)
+        return outputs, logits
     finally:
         engine.close()
 
@@ -69,6 +75,19 @@ def test_two_gpus_quantized_llama_1b_shape(quantization):
         assert two_err < 2 * one_err + 0.01 * ref.abs().max().item()
         if not ref.argmax() == a.argmax() == b.argmax():  # the contexts differ from here on
             break
+
+
+def test_two_gpus_greedy_tokens_picked_on_shards():
+    """Greedy tokens picked from the two vocabulary shards (Triton candidates over 16 chunks a shard, exchanged over
+    NCCL, read by the next step on each GPU) are the tokens of the gathered logits, at the 1B shape (a 128,256-token
+    vocabulary), through CUDA graphs."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = {str(n): torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (40, 7, 90)}
+    gathered, _ = _run("random:llama-1b", 2, "bfloat16", prompts)
+    picked, logits = _run("random:llama-1b", 2, "bfloat16", prompts, greedy_on_shards=True)
+    assert not any(logits.values())  # no step gathered logits
+    for rid in prompts:
+        assert picked[rid].outputs[0].token_ids == gathered[rid].outputs[0].token_ids
 
 
 def test_two_gpus_fused_and_unfused_all_reduce_agree(monkeypatch):

@@ -52,3 +52,67 @@ def test_kernels_argmax_at_the_lm_head_width() -> None:
     logits[3, 128255] = 100.0  # the last entry of the last, partial chunk
     got = kernels.argmax(logits)
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+
+
+def _shards(full: torch.Tensor, num_shards: int) -> list[tuple[torch.Tensor, int, int]]:
+    """(real columns, offset, width) of each shard, the vocabulary split as VocabParallelEmbedding splits it."""
+    width = -(-full.shape[1] // num_shards)
+    return [(full[:, r * width: (r + 1) * width], r * width, width) for r in range(num_shards)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab", "num_shards"), [(1, 5000, 1), (4, 9001, 2), (3, 12289, 3)])
+def test_shard_candidates_pick_the_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
+                                          num_shards: int) -> None:
+    """argmax_candidates of each shard, stacked and picked, give torch.argmax of the whole row; the candidates
+    equal the PyTorch reference's."""
+    from kernels import reference
+    from kernels.row_argmax import argmax_candidates, pick_argmax_candidate
+
+    full = torch.randn(rows, vocab, device=device).to(dtype)
+    full[0, [7, vocab - 1]] = 9.0  # a tie between the first and the last shard
+    if rows > 1:
+        full[1] = float("-inf")
+    stacked = []
+    for part, offset, width in _shards(full, num_shards):
+        got = argmax_candidates(part, offset, width)
+        torch.testing.assert_close(got.cpu(), reference.argmax_candidates(part.cpu(), offset, width), rtol=0, atol=0)
+        stacked.append(got)
+    picked = pick_argmax_candidate(torch.stack(stacked))
+    assert picked.dtype == torch.int64 and torch.equal(picked.cpu(), full.float().argmax(dim=-1).cpu())
+    assert torch.equal(reference.pick_argmax_candidate(torch.stack(stacked).cpu()), picked.cpu())
+
+
+def test_shard_candidates_count_nan_as_largest_and_check_inputs(device: torch.device) -> None:
+    from kernels.row_argmax import argmax_candidates, pick_argmax_candidate
+
+    full = torch.randn(2, 8200, device=device)
+    full[0, 6000] = float("nan")
+    full[1, 8199] = 40.0
+    stacked = torch.stack([argmax_candidates(p, o, w) for p, o, w in _shards(full, 2)])
+    assert pick_argmax_candidate(stacked).tolist() == [6000, 8199]
+    with pytest.raises(ValueError, match="width"):
+        argmax_candidates(full, 0, 100)
+    with pytest.raises(ValueError, match="2\\^24"):
+        argmax_candidates(full, 1 << 24, 8200)
+    with pytest.raises(ValueError, match="candidates"):
+        pick_argmax_candidate(stacked[0])
+
+
+@pytest.mark.gpu
+def test_shard_candidates_at_the_lm_head_width() -> None:
+    """Two shards of Llama-3's 128,256-token vocabulary (16 chunks each, the second's last one partial), bf16 rows
+    with ties across the shards and within a chunk, against torch.argmax of the whole rows."""
+    import kernels
+
+    full = torch.randn(8, 128256, device="cuda", dtype=torch.bfloat16)
+    full[1, [100, 64128 + 5]] = 30.0  # across the shards
+    full[2, [70000, 70001]] = 30.0  # within a chunk of the second shard
+    full[3, 128255] = 30.0  # the last column
+    full[4] = float("-inf")
+    width = 128256 // 2
+    stacked = torch.stack([kernels.argmax_candidates(full[:, r * width: (r + 1) * width], r * width, width)
+                           for r in range(2)])
+    got = kernels.pick_argmax_candidate(stacked)
+    assert got.dtype == torch.int64 and torch.equal(got, full.float().argmax(dim=-1))
+    assert got[1:4].tolist() == [100, 70000, 128255]
