@@ -1,7 +1,8 @@
 """Argmax over each row of logits (greedy decoding, and the exponential race of sampling), in two passes: programs
 that each reduce one chunk of a row to its largest value and that value's first index, then one program per row
 that picks among the chunks. torch.argmax reduces a row of 128k logits in one thread block (~28 us on an H200);
-the chunks spread it over the SMs.
+the chunks spread it over the SMs. Under tensor parallelism each rank's chunks of its vocabulary shard are the
+candidates the ranks exchange (argmax_candidates), and one program a row picks among all of them.
 
 Ties go to the lowest index and NaN counts as larger than any number, as in torch.argmax."""
 
@@ -18,6 +19,16 @@ CHUNK = ARGMAX_CHUNK
 
 
 @triton.jit
+def _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK: tl.constexpr):
+    """The largest value of columns chunk * BLOCK .. + BLOCK of a row (NaN as +inf) and its first column."""
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return best, chunk * BLOCK + at
+
+
+@triton.jit
 def _chunk_argmax_kernel(
     x_ptr, values_ptr, indices_ptr, V, stride_x, num_chunks,
     BLOCK: tl.constexpr,
@@ -26,12 +37,9 @@ def _chunk_argmax_kernel(
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
-    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    best, at = _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
     tl.store(values_ptr + row * num_chunks + chunk, best)
-    tl.store(indices_ptr + row * num_chunks + chunk, chunk * BLOCK + at)
+    tl.store(indices_ptr + row * num_chunks + chunk, at)
 
 
 @triton.jit
@@ -78,13 +86,10 @@ def _candidates_kernel(
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
-    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    best, at = _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
     pair = out_ptr + (row * num_chunks + chunk) * 2
     tl.store(pair, best)
-    tl.store(pair + 1, (offset + chunk * BLOCK + at).to(tl.float32))
+    tl.store(pair + 1, (offset + at).to(tl.float32))
 
 
 @triton.jit
