@@ -94,7 +94,8 @@ def run_engine(args: argparse.Namespace, work: Workload) -> tuple[dict[str, Any]
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         if tokens != work.num_output_tokens:
             raise RuntimeError(f"engine generated {tokens} tokens, expected {work.num_output_tokens}")
-        runs.append((seconds, after["num_steps"] - before["num_steps"], after["num_preemptions"] - before["num_preemptions"]))
+        runs.append((seconds, after["num_steps"] - before["num_steps"],
+                     after["num_preemptions"] - before["num_preemptions"]))
         log(f"engine: {tokens:,} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s")
     seconds, num_steps, num_preemptions = min(runs)
     result = {
