@@ -30,8 +30,7 @@ def _engine(path: str, tp: int, **quantized) -> LLMEngine:
 def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
     """Outputs and logits of greedy requests. The logits are gathered only when the ranks do not pick greedy
     tokens from their shards, so that is turned off here (test_greedy_tokens_picked_on_shards covers it)."""
-    with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "0"}):
-        engine = _engine(path, tp, **quantized)
+    engine = _engine(path, tp, **quantized)
     try:
         with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "0"}):
             outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
