@@ -41,7 +41,7 @@ def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if tp.size > 1 and device.type == "cuda":
         from engine.distributed.peer_exchange import try_fused_all_reduce_norm
 
-        tp.fused_norm = try_fused_all_reduce_norm(tp, device, model_config.hidden_size, dtype)
+        tp.fused_norm = try_fused_all_reduce_norm(tp, device, model_config.hidden_size, dtype, model.embed_tokens.rows)
     tokenizer = loaded.tokenizer
     eos = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
     eos |= frozenset(model_config.eos_token_ids)

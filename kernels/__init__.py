@@ -38,6 +38,7 @@ __all__ = [
     "rotary_decode_attention",
     "rotary_embedding",
     "rotary_kv_store",
+    "shard_embedding",
     "silu_and_mul",
     "store_kv_cache",
     "triton_available",
@@ -69,6 +70,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
                 ("decode", "paged_attention"),
+                ("embedding", "embedding"),
                 ("gemv", "gemv"),
                 ("gemv_configs", "gemv_configs"),
                 ("int4_matmul", "int4_matmul"),
@@ -134,6 +136,14 @@ def pick_argmax_candidate(candidates: torch.Tensor) -> torch.Tensor:
     if ops := _triton_for(candidates):
         return ops.argmax.pick_argmax_candidate(candidates)
     return _ref.pick_argmax_candidate(candidates)
+
+
+def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """ids [...] -> [..., hidden]: the rows of weight, a shard of the vocabulary starting at id `start`, for the ids
+    it holds; zeros for the others."""
+    if ops := _triton_for(weight):
+        return ops.embedding.shard_embedding(ids, weight, start)
+    return _ref.shard_embedding(ids, weight, start)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -27,19 +27,7 @@ import triton.language as tl
 
 from kernels.norm import store_rms_normed
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-
-
-@triton.jit
-def _stamped(payload, epoch):
-    """int32 payloads -> int64 words with the epoch's low 32 bits above them."""
-    return (epoch << 32) | payload.to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _missing(words, epoch, mask):
-    """How many of the words under mask do not carry this epoch's stamp."""
-    late = ((words >> 32).to(tl.int32) != epoch.to(tl.int32)) & mask
-    return tl.sum(late.to(tl.int32), axis=0)
+from kernels.stamped_words import cell_start, missing_stamps, stamped
 
 
 @triton.jit
@@ -87,6 +75,7 @@ def _all_reduce_add_rms_norm_kernel(
     WORDS: tl.constexpr,  # words of a cell: BLOCK values
     WORLD: tl.constexpr,
     MAX_ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
@@ -96,33 +85,33 @@ def _all_reduce_add_rms_norm_kernel(
     payload = tl.load(payload_ptr + row * ROW_WORDS + word_cols, mask=word_mask, other=0)
     epoch = tl.load(epoch_ptr + row) + 1
     tl.store(epoch_ptr + row, epoch)
-    cells = (epoch % 2) * MAX_ROWS * WORLD + row * WORLD  # this epoch's cell of rank 0 for this row
-    words = _stamped(payload, epoch)
+    words = stamped(payload, epoch)
     # masks rather than branches on the rank, which is not a constant (branches here break Triton 3.6's layout pass;
     # the masks are full rows because the interpreter mishandles a scalar one)
     for peer in tl.static_range(WORLD):
         peer_buffer = tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.int64))
         to_peer = word_mask & (tl.full([WORDS], peer, tl.int32) != rank)
-        tl.store(peer_buffer + (cells + rank) * WORDS + word_cols, words, mask=to_peer)
+        tl.store(peer_buffer + cell_start(epoch, row, rank, WORDS, WORLD, MAX_ROWS) + word_cols, words, mask=to_peer)
 
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    dtype = residual_ptr.dtype.element_ty  # the partial rows' too
-    r = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)  # read while the peers' words travel
+    dtype = out_ptr.dtype.element_ty  # the partial rows' too
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)  # read while the peers' words travel
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     own_buffer = tl.load(buffer_ptrs + rank).to(tl.pointer_type(tl.int64))
     total_lo = tl.zeros([WORDS], dtype=tl.float32)
     total_hi = tl.zeros([WORDS], dtype=tl.float32)
     for sender in tl.static_range(WORLD):
-        cell = own_buffer + (cells + sender) * WORDS + word_cols
+        cell = own_buffer + cell_start(epoch, row, sender, WORDS, WORLD, MAX_ROWS) + word_cols
         own = tl.full([WORDS], sender, tl.int32) == rank
         expected = word_mask & ~own
         received = tl.load(cell, mask=expected, other=0, volatile=True)
-        missing = _missing(received, epoch, expected)
+        missing = missing_stamps(received, epoch, expected)
         spins = 0
         while (missing > 0) & (spins < max_spins):
             received = tl.load(cell, mask=expected, other=0, volatile=True)
-            missing = _missing(received, epoch, expected)
+            missing = missing_stamps(received, epoch, expected)
             spins += 1
         tl.atomic_add(error_ptr, 1, mask=missing > 0)
         lo, hi = _halves(tl.where(own, words, received), dtype)
@@ -130,8 +119,9 @@ def _all_reduce_add_rms_norm_kernel(
         total_hi += hi
     total = _in_order(total_lo, total_hi, dtype, BLOCK)
 
-    reduced = total.to(dtype)  # the all-reduce's result in the model's dtype, as NCCL returns it
-    summed = (reduced.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    summed = total.to(dtype)  # the all-reduce's result in the model's dtype, as NCCL returns it
+    if HAS_RESIDUAL:
+        summed = (summed.to(tl.float32) + r.to(tl.float32)).to(dtype)
     tl.store(summed_ptr + row * N + cols, summed, mask=mask)
     store_rms_normed(summed, weight, out_ptr + row * N, cols, mask, eps, N)
 
@@ -139,7 +129,7 @@ def _all_reduce_add_rms_norm_kernel(
 PATIENT_SPINS = 1 << 30  # polls a wait makes before it gives up: minutes
 
 
-def _cell_words(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
+def cell_words(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     """(words of a row, words of a cell) for rows of `hidden` values: 32 bits of values a word."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial: float32, bfloat16 or float16 rows expected, got {dtype}")
@@ -150,15 +140,15 @@ def _cell_words(hidden: int, dtype: torch.dtype) -> tuple[int, int]:
 
 def exchange_bytes(max_rows: int, world: int, hidden: int, dtype: torch.dtype) -> int:
     """Size of one rank's exchange buffer: two cells per (row, sender), of 64-bit stamped words."""
-    return 2 * max_rows * world * _cell_words(hidden, dtype)[1] * 8
+    return 2 * max_rows * world * cell_words(hidden, dtype)[1] * 8
 
 
 def _checked(partial, residual, weight, buffer_ptrs, epochs, rank):
     if partial.dim() != 2:
         raise ValueError(f"partial: [rows, hidden] expected, got shape {tuple(partial.shape)}")
     rows, hidden = partial.shape
-    _cell_words(hidden, partial.dtype)
-    if residual.shape != partial.shape or residual.dtype != partial.dtype:
+    cell_words(hidden, partial.dtype)
+    if residual is not None and (residual.shape != partial.shape or residual.dtype != partial.dtype):
         raise ValueError(f"residual: {tuple(residual.shape)} {residual.dtype}, expected {tuple(partial.shape)} "
                          f"{partial.dtype}")
     if weight.shape != (hidden,):
@@ -170,20 +160,20 @@ def _checked(partial, residual, weight, buffer_ptrs, epochs, rank):
     partial = partial.contiguous()
     if partial.data_ptr() % 4:  # read as 32-bit words
         partial = partial.clone()
-    return partial, residual.contiguous(), weight.contiguous()
+    return partial, None if residual is None else residual.contiguous(), weight.contiguous()
 
 
-def _launch_options(partial: torch.Tensor, world: int, max_rows: int) -> dict:
+def _launch_options(partial: torch.Tensor, world: int, max_rows: int, has_residual: bool) -> dict:
     hidden = partial.shape[1]
     block = triton.next_power_of_2(hidden)
-    row_words, words = _cell_words(hidden, partial.dtype)
+    row_words, words = cell_words(hidden, partial.dtype)
     return dict(N=hidden, BLOCK=block, ROW_WORDS=row_words, WORDS=words, WORLD=world, MAX_ROWS=max_rows,
-                num_warps=max(1, min(16, block // 512)), **launch_options(partial))
+                HAS_RESIDUAL=has_residual, num_warps=max(1, min(16, block // 512)), **launch_options(partial))
 
 
 def all_reduce_add_rms_norm(
     partial: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     *,
@@ -193,30 +183,32 @@ def all_reduce_add_rms_norm(
     rank: int,
     max_spins: int = PATIENT_SPINS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(sum over ranks of partial + residual), sum + residual) for partial, residual [rows, hidden].
-    Every rank must call it with the same shapes in the same order. Each rank's buffer holds exchange_bytes(
-    len(epochs), world, hidden, dtype), zeroed before the first call."""
+    """(rms_norm(sum over ranks of partial + residual), sum + residual) for partial, residual [rows, hidden]; with no
+    residual, (rms_norm(sum), sum). Every rank must call it with the same shapes in the same order. Each rank's
+    buffer holds exchange_bytes(len(epochs), world, hidden, dtype), zeroed before the first call."""
     partial, residual, weight = _checked(partial, residual, weight, buffer_ptrs, epochs, rank)
     out = torch.empty_like(partial)
     summed = torch.empty_like(partial)
     if partial.shape[0] == 0:
         return out, summed
     _all_reduce_add_rms_norm_kernel[(partial.shape[0],)](
-        partial.view(torch.int32), residual, weight, out, summed, buffer_ptrs, epochs, error, rank, eps,
-        max_spins, **_launch_options(partial, buffer_ptrs.numel(), epochs.numel()),
+        partial.view(torch.int32), partial if residual is None else residual, weight, out, summed, buffer_ptrs,
+        epochs, error, rank, eps, max_spins,
+        **_launch_options(partial, buffer_ptrs.numel(), epochs.numel(), residual is not None),
     )
     return out, summed
 
 
-def warm_up(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, buffer_ptrs: torch.Tensor,
-            epochs: torch.Tensor, error: torch.Tensor, eps: float) -> None:
-    """Compiles and loads the kernel for these shapes without running it. A GPU may stall while a module loads, so a
-    rank must not load one while its peers' kernels wait for it."""
+def warm_up(partial: torch.Tensor, weight: torch.Tensor, *, buffer_ptrs: torch.Tensor, epochs: torch.Tensor,
+            error: torch.Tensor, eps: float) -> None:
+    """Compiles and loads the kernel for rows like partial, with and without a residual, without running it. A GPU
+    may stall while a module loads, so a rank must not load one while its peers' kernels wait for it."""
     if not partial.is_cuda:
         return
-    partial, residual, weight = _checked(partial, residual, weight, buffer_ptrs, epochs, 0)
-    compiled = _all_reduce_add_rms_norm_kernel.warmup(
-        partial.view(torch.int32), residual, weight, partial, partial, buffer_ptrs, epochs, error, 0, eps,
-        PATIENT_SPINS, grid=(1,), **_launch_options(partial, buffer_ptrs.numel(), epochs.numel()),
-    )
-    compiled._init_handles()
+    partial, _, weight = _checked(partial, None, weight, buffer_ptrs, epochs, 0)
+    for has_residual in (True, False):
+        compiled = _all_reduce_add_rms_norm_kernel.warmup(
+            partial.view(torch.int32), partial, weight, partial, partial, buffer_ptrs, epochs, error, 0, eps,
+            PATIENT_SPINS, grid=(1,), **_launch_options(partial, buffer_ptrs.numel(), epochs.numel(), has_residual),
+        )
+        compiled._init_handles()

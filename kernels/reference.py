@@ -38,6 +38,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def check_embedding_inputs(ids: torch.Tensor, weight: torch.Tensor) -> None:
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"shard_embedding: ids must be int32 or int64, got {ids.dtype}")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"shard_embedding: weight [rows, hidden] with unit stride along hidden expected, got "
+                         f"shape {tuple(weight.shape)}, strides {weight.stride()}")
+    if ids.device != weight.device:
+        raise ValueError(f"shard_embedding: ids on {ids.device}, weight on {weight.device}")
+
+
+def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """ids [...] -> [..., hidden]: row id - start of weight (the vocabulary rows start .. start + len(weight) of a
+    shard) where the shard holds the id, zeros elsewhere."""
+    check_embedding_inputs(ids, weight)
+    local = ids.long() - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill_(outside.unsqueeze(-1), 0)
+
+
 ARGMAX_CHUNK = 4096  # columns a candidate of argmax_candidates covers
 
 

@@ -50,6 +50,23 @@ class TensorParallel:
             return self.fused_norm(partial, residual, weight, eps)
         return ops.add_rms_norm(self.all_reduce(partial), residual, weight, eps)
 
+    def all_reduce_rms_norm(self, partial: torch.Tensor, weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum of `partial` over the ranks, weight, eps), the sum): all_reduce_add_rms_norm without a
+        residual."""
+        if self.fused_norm is not None and self.fused_norm.handles(partial):
+            return self.fused_norm(partial, None, weight, eps)
+        reduced = self.all_reduce(partial)
+        return ops.rms_norm(reduced, weight, eps), reduced
+
+    def argmax_over_shards(self, logits: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+        """[N] int64 on every rank: each row's argmax over the vocabulary split across the ranks, from this rank's
+        logits [N, V <= width] of ids offset .. offset + V; through the peer buffers when they take it, else each
+        rank's chunk candidates (kernels.argmax_candidates) gathered."""
+        if self.fused_norm is not None and self.fused_norm.handles_argmax(logits, width):
+            return self.fused_norm.argmax(logits, offset, width)
+        return ops.pick_argmax_candidate(self.all_gather_stacked(ops.argmax_candidates(logits, offset, width)))
+
     def release_peer_buffers(self) -> None:
         """Unmaps the peers' exchange buffers (the fused path is off from here on)."""
         self.fused_norm = None

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import reference
-from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, exchange_bytes, warm_up
+from kernels import exchange_argmax
+from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, cell_words, exchange_bytes, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,16 @@ def _open_ipc(handle: tuple, device: torch.device) -> torch.UntypedStorage:
 
 class FusedAllReduceNorm:
     """Per rank: an exchange buffer that every peer writes into, its address in every rank's process, and this rank's
-    per-row epochs."""
+    per-row epochs. Decode steps' all-reduces run through it fused with their norms, and greedy steps' argmax over
+    the vocabulary shards (kernels/exchange_argmax.py) when it knows the shards' width."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, rank: int, world: int, device: torch.device, hidden: int, dtype: torch.dtype,
+                 vocab_shard_rows: int | None = None) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world, self.device, self.hidden, self.dtype = rank, world, device, hidden, dtype
+        self.vocab_shard_rows = vocab_shard_rows
+        self.cell_words = cell_words(hidden, dtype)[1]
         self.buffer = torch.zeros(exchange_bytes(MAX_ROWS, world, hidden, dtype), dtype=torch.uint8, device=device)
         self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
@@ -70,17 +75,29 @@ class FusedAllReduceNorm:
         return (partial.dim() == 2 and partial.shape[0] <= MAX_ROWS and partial.shape[1] == self.hidden
                 and partial.dtype == self.dtype and partial.is_cuda)
 
+    def handles_argmax(self, logits: torch.Tensor, width: int) -> bool:
+        return (width == self.vocab_shard_rows and logits.dim() == 2 and logits.shape[0] <= MAX_ROWS
+                and logits.is_cuda and logits.dtype == self.dtype)
+
     def _tables(self) -> dict:
         return dict(buffer_ptrs=self.buffer_ptrs, epochs=self.epochs, error=self.error)
 
-    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  max_spins: int = PATIENT_SPINS) -> tuple[torch.Tensor, torch.Tensor]:
         return all_reduce_add_rms_norm(partial, residual, weight, eps, rank=self.rank, max_spins=max_spins,
                                        **self._tables())
 
+    def argmax(self, logits: torch.Tensor, offset: int, width: int, max_spins: int = PATIENT_SPINS) -> torch.Tensor:
+        """Each row's argmax over the whole vocabulary, from this rank's logits of ids offset .. + width."""
+        return exchange_argmax.exchange_argmax(logits, offset, width, rank=self.rank, words=self.cell_words,
+                                               max_spins=max_spins, **self._tables())
+
     def warm_up(self, eps: float) -> None:
         x = torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
-        warm_up(x, x, x[0], eps=eps, **self._tables())
+        warm_up(x, x[0], eps=eps, **self._tables())
+        if self.vocab_shard_rows is not None:
+            logits = torch.zeros(1, self.vocab_shard_rows, dtype=self.dtype, device=self.device)
+            exchange_argmax.warm_up(logits, self.vocab_shard_rows, words=self.cell_words, **self._tables())
 
     def failed_waits(self) -> int:
         return int(self.error.item())
@@ -92,15 +109,17 @@ def _on_every_rank(ok: bool, cpu_group) -> bool:
     return bool(flag.item())
 
 
-def try_fused_all_reduce_norm(tp, device: torch.device, hidden: int, dtype: torch.dtype) -> FusedAllReduceNorm | None:
-    """The fused op if it works on every rank and agrees with a sum in rank order + add_rms_norm, else None.
+def try_fused_all_reduce_norm(tp, device: torch.device, hidden: int, dtype: torch.dtype,
+                              vocab_shard_rows: int | None = None) -> FusedAllReduceNorm | None:
+    """The fused op if it works on every rank and agrees with a sum in rank order + add_rms_norm (and, given the
+    vocabulary shards' rows, the exchanged argmax with argmax over the whole logits), else None.
     Every rank makes the same host collectives whatever fails where, and no rank's kernel waits on a peer that has
     given up, so a failure cannot hang the group."""
     if os.environ.get("TOLLGATE_TP_FUSED_NORM", "1") == "0":
         return None
     fused, shared = None, None
     try:
-        fused = FusedAllReduceNorm(tp.rank, tp.size, device, hidden, dtype)
+        fused = FusedAllReduceNorm(tp.rank, tp.size, device, hidden, dtype, vocab_shard_rows)
         shared = fused.ipc_handle()
     except Exception as e:  # no IPC on this device
         log.warning("fused all-reduce + RMSNorm: no exchange buffer (%s)", e)
@@ -141,7 +160,21 @@ def _agrees_with_reference(fused: FusedAllReduceNorm, rank: int, world: int) -> 
                 log.warning("fused all-reduce + RMSNorm: %d failed waits, max error %.3g", fused.failed_waits(),
                             (out.float() - want_out.float()).abs().max().item())
                 return False
-        return True
+        return fused.vocab_shard_rows is None or _argmax_agrees(fused, rank, world, gen)
     except Exception as e:
         log.warning("fused all-reduce + RMSNorm failed its check (%s)", e)
         return False
+
+
+def _argmax_agrees(fused: FusedAllReduceNorm, rank: int, world: int, gen: torch.Generator) -> bool:
+    """The exchanged argmax against argmax over the whole logits, with the winner in each rank's shard."""
+    width = fused.vocab_shard_rows
+    logits = torch.randn(MAX_ROWS, world * width, generator=gen, device=fused.device).to(fused.dtype)
+    logits[torch.arange(MAX_ROWS), torch.arange(MAX_ROWS) * width // 2 % (world * width)] = 100.0
+    got = fused.argmax(logits[:, rank * width: (rank + 1) * width], rank * width, width, max_spins=_PROBE_SPINS)
+    torch.cuda.synchronize(fused.device)
+    if fused.failed_waits() or not torch.equal(got, logits.float().argmax(dim=-1)):
+        log.warning("exchanged argmax: %d failed waits, %d rows differ from argmax", fused.failed_waits(),
+                    int((got != logits.float().argmax(dim=-1)).sum().item()))
+        return False
+    return True

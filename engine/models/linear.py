@@ -8,7 +8,6 @@ knows how to cut its slice out of a full checkpoint tensor (`shard_of`)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels as ops
@@ -116,21 +115,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward_partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the embeddings, zeros where another rank holds the id."""
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill_(outside.unsqueeze(-1), 0)
+        return ops.shard_embedding(ids, self.weight, self.start)
 
     def forward_rms_norm(self, ids: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(embeddings, weight, eps), embeddings) for the first layer; under tensor parallelism the all-reduce
-        runs with the norm (a residual of zeros adds nothing: x + 0 rounds to x)."""
+        runs with the norm."""
         partial = self.forward_partial(ids)
         if self.tp.size == 1:
             return ops.rms_norm(partial, weight, eps), partial
         rows = partial.view(-1, partial.shape[-1])
-        h, embeddings = self.tp.all_reduce_add_rms_norm(rows, torch.zeros_like(rows), weight, eps)
+        h, embeddings = self.tp.all_reduce_rms_norm(rows, weight, eps)
         return h.view(partial.shape), embeddings.view(partial.shape)
 
     def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -154,5 +148,4 @@ def vocab_parallel_argmax(partial: torch.Tensor, embedding: VocabParallelEmbeddi
     ranks exchange those few pairs a row instead of every logit, and each picks the first index of the largest,
     the token ops.argmax would pick from the gathered logits."""
     real = max(0, min(embedding.rows, embedding.vocab_size - embedding.start))  # the last rank may hold padding
-    candidates = ops.argmax_candidates(partial[:, :real], embedding.start, embedding.rows)
-    return ops.pick_argmax_candidate(embedding.tp.all_gather_stacked(candidates))
+    return embedding.tp.argmax_over_shards(partial[:, :real], embedding.start, embedding.rows)

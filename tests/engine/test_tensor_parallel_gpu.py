@@ -78,9 +78,9 @@ def test_two_gpus_quantized_llama_1b_shape(quantization):
 
 
 def test_two_gpus_greedy_tokens_picked_on_shards():
-    """Greedy tokens picked from the two vocabulary shards (Triton candidates over 16 chunks a shard, exchanged over
-    NCCL, read by the next step on each GPU) are the tokens of the gathered logits, at the 1B shape (a 128,256-token
-    vocabulary), through CUDA graphs."""
+    """Greedy tokens picked from the two vocabulary shards (Triton candidates over 16 chunks a shard, exchanged through
+    the peer buffers, read by the next step on each GPU) are the tokens of the gathered logits, at the 1B shape (a
+    128,256-token vocabulary), through CUDA graphs."""
     gen = torch.Generator().manual_seed(9)
     prompts = {str(n): torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (40, 7, 90)}
     gathered, _ = _run("random:llama-1b", 2, "bfloat16", prompts)
@@ -110,7 +110,8 @@ def _fused_rank(rank: int, port: int, results) -> None:
     device = torch.device("cuda", rank)
     tp = init_tensor_parallel(rank, 2, port, device)
     try:
-        fused = try_fused_all_reduce_norm(tp, device, 4096, torch.bfloat16)
+        shard = 64128  # Llama-3's vocabulary in halves
+        fused = try_fused_all_reduce_norm(tp, device, 4096, torch.bfloat16, vocab_shard_rows=shard)
         assert fused is not None, "the start-up check failed"
         gen = torch.Generator(device=device).manual_seed(0)
         worst = 0.0
@@ -128,6 +129,11 @@ def _fused_rank(rank: int, port: int, results) -> None:
             want_out, want_summed = expect(partials, residual, weight)
             assert torch.equal(summed, want_summed), f"rows {rows}: the sum differs from NCCL's"
             worst = max(worst, (out.float() - want_out.float()).abs().max().item())
+            # the exchanged argmax between all-reduces, on the same rows' epochs
+            logits = torch.randn(rows, 2 * shard, generator=gen, device=device).bfloat16()
+            logits[0, [shard + 7, 7]] = 100.0  # a tie across the shards: the lower index
+            got = fused.argmax(logits[:, rank * shard: (rank + 1) * shard].contiguous(), rank * shard, shard)
+            assert torch.equal(got, logits.float().argmax(dim=-1)) and got[0].item() == 7, f"rows {rows}: argmax"
         # a graph of two chained calls, as a decode step chains them, replayed with new inputs
         partial = torch.zeros(1, 4096, device=device, dtype=torch.bfloat16)
         residual = torch.zeros_like(partial)

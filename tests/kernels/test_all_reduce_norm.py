@@ -115,6 +115,25 @@ def test_rows_that_do_not_start_on_a_word(device: torch.device) -> None:
     assert torch.equal(_cells(ranks[1], 2, 2)[1, :, 0, :32], _stamped(mine.clone(), 1)) and ranks[0].error.item() == 0
 
 
+def test_without_a_residual_the_sum_is_normed(device: torch.device) -> None:
+    """The embedding's all-reduce: no residual to add, the same bits as adding zeros."""
+    gen = torch.Generator().manual_seed(6)
+    mine, theirs = (torch.randn(2, 64, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    weight = torch.randn(64, generator=gen).to(device, torch.bfloat16)
+    results = []
+    for residual in (None, torch.zeros_like(mine)):
+        ranks = _ranks(2, 2, 64, torch.bfloat16, device)
+        _post(ranks, sender=1, receiver=0, rows=theirs, epoch=1, max_rows=2)
+        with poisoned_outputs():
+            results.append(_call(ranks, 0, mine, residual, weight))
+        assert ranks[0].error.item() == 0
+    (out, summed), (zeros_out, zeros_summed) = results
+    reduced = (mine.float() + theirs.float()).to(torch.bfloat16)
+    assert torch.equal(summed, zeros_summed) and torch.equal(out, zeros_out)
+    assert rel_err(summed, reduced) < 1e-2 and rel_err(out, reference.rms_norm(reduced, weight, 1e-6)) < tolerance(
+        torch.bfloat16)
+
+
 def test_a_peer_that_never_answers_counts_an_error_instead_of_hanging(device: torch.device) -> None:
     ranks = _ranks(2, 2, 32, torch.float32, device)
     x = torch.randn(2, 32, device=device)
@@ -182,7 +201,7 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
         residual.copy_(torch.randn(rows, hidden, device=device, generator=gen))
 
     refill(0)
-    warm_up(partials[0], residual, weight, buffer_ptrs=table, epochs=ranks[0].epochs, error=ranks[0].error, eps=1e-6)
+    warm_up(partials[0], weight, buffer_ptrs=table, epochs=ranks[0].epochs, error=ranks[0].error, eps=1e-6)
     run_all()
     torch.cuda.synchronize()
     check()
