@@ -6,6 +6,9 @@ attention kernel splits the context by the block table's width, which a graph fi
 get one graph per context bucket (256, 512, ... tokens, then max_model_len), so a short context runs
 one split instead of the many a 4k-wide table asks for, and skips the combining kernel.
 
+Each graph begins with a kernel that unpacks the step's inputs from one buffer the host copies in
+(kernels/step_inputs.py), so a replay is one host-to-device copy and the graph.
+
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
 (its last token and k drafts), which go through the prefill attention kernel; that kernel's launch
 depends only on the token and sequence counts, so one graph per batch size serves those steps too."""
@@ -16,8 +19,10 @@ import logging
 
 import torch
 
+from engine.batch_inputs import HostInputs, graph_staging
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
+from kernels.reference import step_tables_offset
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class DecodeGraphs:
         self.seq_lens = torch.full((max_bs,), self.q, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (max_bs + 1) * self.q, self.q, dtype=torch.int32, device=device)
+        table_words = step_tables_offset(max_bs, self.q) + max_bs * max_blocks_per_seq  # int32
+        self.staging = torch.zeros(-(-table_words // 2), dtype=torch.int64, device=device)  # n = 0: all padding
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
@@ -93,17 +100,23 @@ class DecodeGraphs:
             max_seq_len=width * self.block_size,
         )
 
+    def _forward(self, bs: int, width: int) -> torch.Tensor:
+        from kernels.step_inputs import unpack_step_inputs
+
+        unpack_step_inputs(self.staging, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                           self.block_tables, bs, self.q)
+        return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
+                          self.kv_caches)
+
     @torch.inference_mode()
     def capture(self) -> None:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             for width in reversed(self.widths(bs)):
-                meta = self._meta(bs, width)
-                args = (self.input_ids[: bs * self.q], self.positions[: bs * self.q], meta, self.kv_caches)
-                self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
+                self._forward(bs, width)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[bs, width] = self.model(*args)
+                    self.outputs[bs, width] = self._forward(bs, width)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs, width] = graph
@@ -111,25 +124,14 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for steps of %d token(s) per sequence, batch sizes %s, context buckets %s "
                  "(blocks, batches <= %d)", self.q, self.sizes, self.buckets, BUCKETED_MAX_BATCH)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        max_seq_len: int,
-    ) -> torch.Tensor:
-        n = seq_lens.shape[0]
+    def run(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
+        """Replays the graph for a step that fits: copies the staged step into the graph's buffer (pending input
+        tokens are read from previous_ids) and returns the hidden states of its tokens."""
+        n = host.num_seqs
         bs = next(s for s in self.sizes if s >= n)
-        width = next(w for w in self.widths(bs) if w * self.block_size >= max_seq_len and w >= block_tables.shape[1])
-        tokens, padded = n * self.q, bs * self.q
-        self.input_ids[:tokens].copy_(input_ids)
-        self.positions[:tokens].copy_(positions)
-        self.slot_mapping[:tokens].copy_(slot_mapping)
-        self.slot_mapping[tokens:padded].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:bs].fill_(self.q)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        width = next(w for w in self.widths(bs)
+                     if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
+        staged = graph_staging(host, previous_ids)
+        self.staging.view(torch.uint8)[: staged.numel()].copy_(staged, non_blocking=True)
         self.graphs[bs, width].replay()
-        return self.outputs[bs, width][:tokens]
+        return self.outputs[bs, width][: host.num_tokens]

@@ -190,15 +190,14 @@ class ModelRunner:
                 send_step(self.tp, host)
             previous_ids = share_previous_tokens(self.tp, host, previous_ids, self.device, self.picked_tokens)
         self.picked_tokens = None
-        inputs = device_inputs(host, self.device, previous_ids)
-        meta, logits_indices = inputs.meta, inputs.logits_indices
+        logits_indices = host.logits_indices
         graphs = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
         if graphs is not None:
-            hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
-                                meta.block_tables, host.max_seq_len)
+            hidden = graphs.run(host, previous_ids)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
+            inputs = device_inputs(host, self.device, previous_ids)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not logits_indices:
             if host.greedy_tokens:
                 return torch.empty(0, dtype=torch.int64, device=self.device)

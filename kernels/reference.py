@@ -58,6 +58,48 @@ def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torc
     return out.masked_fill_(outside.unsqueeze(-1), 0)
 
 
+STEP_HEADER_WORDS = 4  # a staged step's sequences, block-table width, previous tokens' address (0: none), unused
+
+
+def step_tables_offset(num_seqs: int, tokens_per_seq: int) -> int:
+    """Where a staged step's block tables start, in int32 words: after the header and the packed int64 sections
+    (token ids, positions, slots, previous-step rows, sequence ends, query starts), 16-byte aligned."""
+    words = STEP_HEADER_WORDS + 4 * num_seqs * tokens_per_seq + 2 * num_seqs + 1
+    return -(-words // 2) * 4
+
+
+def check_step_buffers(staging: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    if staging.dtype != torch.int64 or not staging.is_contiguous():
+        raise ValueError("staging: a contiguous int64 buffer expected")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens: int32 expected, the tables with rows of unit stride")
+
+
+def unpack_step_inputs(staging: torch.Tensor, previous: torch.Tensor | None, input_ids: torch.Tensor,
+                       positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, batch_size: int, tokens_per_seq: int) -> None:
+    """A staged decode step (kernels/step_inputs.py: header, packed sections, block tables) -> the first batch_size
+    sequences' rows of a CUDA graph's static inputs, in place: token ids (previous[row] where a token's
+    previous-step row is >= 0), positions, slots, int32 sequence lengths and block-table rows for the header's n
+    sequences; slot -1 and a length of tokens_per_seq for the rows past them (ids, positions and tables there are
+    left as they were)."""
+    check_step_buffers(staging, seq_lens, block_tables)
+    n, width = int(staging[0]), int(staging[1])
+    q, total = tokens_per_seq, n * tokens_per_seq
+    sections = staging[STEP_HEADER_WORDS: STEP_HEADER_WORDS + 4 * total + n]
+    ids, pos, slots, rows, ends = sections.split([total] * 4 + [n])
+    if previous is not None:
+        ids = torch.where(rows >= 0, previous[rows.clamp(min=0)], ids)
+    input_ids[:total] = ids
+    positions[:total] = pos
+    slot_mapping[:total] = slots
+    slot_mapping[total: batch_size * q] = -1
+    seq_lens[:n] = ends.to(torch.int32)
+    seq_lens[n:batch_size] = q
+    start = step_tables_offset(n, q)
+    block_tables[:n, :width] = staging.view(torch.int32)[start: start + n * width].view(n, width)
+
+
 ARGMAX_CHUNK = 4096  # columns a candidate of argmax_candidates covers
 
 
