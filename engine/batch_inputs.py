@@ -153,7 +153,10 @@ def graph_staging(host: HostInputs, previous_ids: torch.Tensor | None, pin_memor
     tables, in one pinned buffer."""
     header = np.zeros(STEP_HEADER_WORDS, dtype=np.int64)
     header[:2] = host.num_seqs, host.block_tables.shape[1]
-    if previous_ids is not None and host.num_previous_rows:
+    if host.num_previous_rows:
+        if previous_ids is None or previous_ids.numel() < host.num_previous_rows:
+            raise RuntimeError(f"a step reads {host.num_previous_rows} previous tokens but got "
+                               f"{None if previous_ids is None else previous_ids.numel()}")
         header[2] = previous_ids.data_ptr()
     return _pinned(np.concatenate([header, host.packed]), host.block_tables, pin_memory)[0]
 

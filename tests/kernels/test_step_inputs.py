@@ -71,6 +71,14 @@ def test_no_pending_tokens_leave_the_address_zero(device: torch.device) -> None:
     assert ids[:2].tolist() == host.packed[:2].tolist()
 
 
+def test_pending_tokens_without_the_previous_step_are_refused() -> None:
+    host = _host(3, 1, 2, np.random.default_rng(2))
+    assert host.num_previous_rows
+    for previous in (None, torch.zeros(2, dtype=torch.long)):
+        with pytest.raises(RuntimeError, match="previous tokens"):
+            graph_staging(host, previous, pin_memory=False)
+
+
 def test_bad_buffers_are_rejected(device: torch.device) -> None:
     ids, positions, slots, seq_lens, tables = _statics(1, device)
     with pytest.raises(ValueError, match="staging"):
