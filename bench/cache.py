@@ -83,9 +83,7 @@ def bench_embedder(sentences: list[str], probes: int = 300) -> dict:
             ms.append((time.perf_counter() - start) * 1000)
         vectors[name] = emb.encode(texts)
         out[name] = {"ms_p50": pct(ms, 50), "ms_p99": pct(ms, 99)}
-        if emb._onnx is not None:
-            out[name]["threads"] = emb._onnx.threads
-            out[name]["prompts_on_several_threads"] = emb._onnx.parallel_calls
+        out[name].update(emb.threading_stats())
         print(f"embedder {name}: {out[name]}", file=sys.stderr, flush=True)
     out["speedup_p50"] = round(out["torch"]["ms_p50"] / out["onnx"]["ms_p50"], 2)
     out["speedup_p50_one_thread"] = round(out["torch"]["ms_p50"] / out["onnx_1_thread"]["ms_p50"], 2)

@@ -103,6 +103,12 @@ class Embedder:
     def backend(self) -> str:
         return "torch" if self._onnx is None else "onnx"
 
+    def threading_stats(self) -> dict[str, int]:
+        """ONNX Runtime's threads a prompt may use and how many prompts have used more than one (empty in PyTorch)."""
+        if self._onnx is None:
+            return {}
+        return {"threads": self._onnx.threads, "prompts_on_several_threads": self._onnx.parallel_calls}
+
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)

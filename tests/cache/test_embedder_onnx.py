@@ -28,6 +28,8 @@ def test_the_shared_embedder_runs_through_onnx(embedder):
     assert embedder.backend == "onnx"
     assert sum(t.numel() for t in embedder._model.parameters()) == 0  # PyTorch's copy of the weights is released
     assert embedder.encode_one("still embeds").shape == (384,)
+    stats = embedder.threading_stats()
+    assert stats["threads"] >= 1 and stats["prompts_on_several_threads"] >= 0
 
 
 def test_onnx_vectors_equal_pytorch_vectors(embedder, torch_embedder):
@@ -67,7 +69,7 @@ def test_without_onnxruntime_the_embedder_runs_in_pytorch(monkeypatch, caplog, t
     monkeypatch.setattr(embedder_onnx, "available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="cache.embedder"):
         fallback = Embedder(backend="onnx")
-    assert fallback.backend == "torch"
+    assert fallback.backend == "torch" and fallback.threading_stats() == {}
     assert "onnxruntime" in caplog.text
     np.testing.assert_allclose(fallback.encode(TEXTS[:2]), torch_embedder.encode(TEXTS[:2]), atol=1e-6)
 
