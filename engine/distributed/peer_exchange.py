@@ -17,8 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from kernels import reference
-from kernels import exchange_argmax
+from kernels import exchange_argmax, reference
 from kernels.all_reduce_norm import PATIENT_SPINS, all_reduce_add_rms_norm, cell_words, exchange_bytes, warm_up
 
 log = logging.getLogger(__name__)
@@ -48,8 +47,10 @@ class FusedAllReduceNorm:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world, self.device, self.hidden, self.dtype = rank, world, device, hidden, dtype
-        self.vocab_shard_rows = vocab_shard_rows
         self.cell_words = cell_words(hidden, dtype)[1]
+        # a candidate takes two of a cell's words (value, index); shards with more than a cell holds go over NCCL
+        fits = vocab_shard_rows is not None and 2 * -(-vocab_shard_rows // reference.ARGMAX_CHUNK) <= self.cell_words
+        self.vocab_shard_rows = vocab_shard_rows if fits else None
         self.buffer = torch.zeros(exchange_bytes(MAX_ROWS, world, hidden, dtype), dtype=torch.uint8, device=device)
         self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
