@@ -1,13 +1,14 @@
 """Exchange buffers that every tensor-parallel rank's GPU writes into over NVLink, shared through CUDA IPC, and the
-fused all-reduce + residual add + RMSNorm of decode steps that runs on them (kernels/all_reduce_norm.py).
+fused all-reduce + residual add + RMSNorm of decode steps that runs on them (kernels/all_reduce_norm.py), with greedy
+steps' argmax over the vocabulary shards (kernels/exchange_argmax.py).
 
 PyTorch's symmetric memory gives such buffers too, but in the releases the engine runs on, its rendezvous numbers
 the exchanges per process, so a second tensor-parallel engine in one process (whose new workers count from zero)
 hangs (pytorch/pytorch#196082). CUDA IPC handles, which torch.multiprocessing shares CUDA tensors with, keep no such
 state. Each rank opens its peers' handles on its own GPU, so its kernels reach them through peer access.
 
-The engine checks the fused kernel once at start against a sum in rank order and add_rms_norm, and every rank falls
-back to NCCL + add_rms_norm unless all of them pass."""
+The engine checks the kernels once at start against a sum in rank order and add_rms_norm and against argmax over
+the whole logits, and every rank falls back to NCCL unless all of them pass."""
 
 from __future__ import annotations
 
