@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kernels.norm import store_rms_normed
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.stamped_words import cell_start, missing_stamps, stamped
+from kernels.stamped_words import cell_start, check_exchange_call, missing_stamps, stamped
 
 
 @triton.jit
@@ -153,10 +153,7 @@ def _checked(partial, residual, weight, buffer_ptrs, epochs, rank):
                          f"{partial.dtype}")
     if weight.shape != (hidden,):
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    if rows > epochs.numel():
-        raise ValueError(f"partial: {rows} rows, the exchange buffers hold {epochs.numel()}")
-    if not 0 <= rank < buffer_ptrs.numel():
-        raise ValueError(f"rank {rank} of {buffer_ptrs.numel()} ranks")
+    check_exchange_call("partial", rows, buffer_ptrs, epochs, rank)
     partial = partial.contiguous()
     if partial.data_ptr() % 4:  # read as 32-bit words
         partial = partial.clone()

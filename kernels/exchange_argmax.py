@@ -20,8 +20,8 @@ import triton.language as tl
 from kernels.all_reduce_norm import PATIENT_SPINS
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.reference import ARGMAX_CHUNK, check_candidate_inputs
-from kernels.row_argmax import _chunk_best
-from kernels.stamped_words import cell_start, missing_stamps, stamped
+from kernels.row_argmax import chunk_best
+from kernels.stamped_words import cell_start, check_exchange_call, missing_stamps, stamped
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -37,7 +37,7 @@ def _send_chunk_best_kernel(
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    best, at = _chunk_best(x_ptr, row.to(tl.int64), chunk, V, stride_x, BLOCK)
+    best, at = chunk_best(x_ptr, row.to(tl.int64), chunk, V, stride_x, BLOCK)
     epoch = tl.load(epoch_ptr + row) + 1  # the pick kernel stores it
     slots = tl.arange(0, 2)
     payload = tl.where(slots == 0, best.to(tl.int32, bitcast=True), (offset + at).to(tl.int32))
@@ -82,16 +82,18 @@ def _pick_exchanged_kernel(
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+def fits_cell(width: int, words: int) -> bool:
+    """Whether a shard `width` ids wide sends its candidates in one cell of `words` words (two words a candidate)."""
+    return 2 * triton.cdiv(width, ARGMAX_CHUNK) <= words
+
+
 def _checked(x: torch.Tensor, offset: int, width: int, buffer_ptrs: torch.Tensor, epochs: torch.Tensor, rank: int,
              words: int) -> torch.Tensor:
     check_candidate_inputs(x, offset, width)
-    if x.shape[0] > epochs.numel():
-        raise ValueError(f"logits: {x.shape[0]} rows, the exchange buffers hold {epochs.numel()}")
-    if 2 * triton.cdiv(width, ARGMAX_CHUNK) > words:
+    if not fits_cell(width, words):
         raise ValueError(f"width: {width} columns make {triton.cdiv(width, ARGMAX_CHUNK)} candidates, a cell holds "
                          f"{words // 2}")
-    if not 0 <= rank < buffer_ptrs.numel():
-        raise ValueError(f"rank {rank} of {buffer_ptrs.numel()} ranks")
+    check_exchange_call("logits", x.shape[0], buffer_ptrs, epochs, rank)
     return x if x.stride(1) == 1 else x.contiguous()
 
 

@@ -19,7 +19,7 @@ CHUNK = ARGMAX_CHUNK
 
 
 @triton.jit
-def _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK: tl.constexpr):
+def chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK: tl.constexpr):
     """The largest value of columns chunk * BLOCK .. + BLOCK of a row (NaN as +inf) and its first column."""
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -37,7 +37,7 @@ def _chunk_argmax_kernel(
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    best, at = _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
+    best, at = chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
     tl.store(values_ptr + row * num_chunks + chunk, best)
     tl.store(indices_ptr + row * num_chunks + chunk, at)
 
@@ -86,7 +86,7 @@ def _candidates_kernel(
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    best, at = _chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
+    best, at = chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
     pair = out_ptr + (row * num_chunks + chunk) * 2
     tl.store(pair, best)
     tl.store(pair + 1, (offset + at).to(tl.float32))

@@ -4,8 +4,17 @@ rank's buffer holds two cells per (row, sender), alternating between consecutive
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def check_exchange_call(what: str, rows: int, buffer_ptrs: torch.Tensor, epochs: torch.Tensor, rank: int) -> None:
+    """ValueError unless the buffers hold `rows` rows (one epoch counter each) and `rank` is one of their ranks."""
+    if rows > epochs.numel():
+        raise ValueError(f"{what}: {rows} rows, the exchange buffers hold {epochs.numel()}")
+    if not 0 <= rank < buffer_ptrs.numel():
+        raise ValueError(f"rank {rank} of {buffer_ptrs.numel()} ranks")
 
 
 @triton.jit

@@ -49,8 +49,8 @@ class FusedAllReduceNorm:
             device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world, self.device, self.hidden, self.dtype = rank, world, device, hidden, dtype
         self.cell_words = cell_words(hidden, dtype)[1]
-        # a candidate takes two of a cell's words (value, index); shards with more than a cell holds go over NCCL
-        fits = vocab_shard_rows is not None and 2 * -(-vocab_shard_rows // reference.ARGMAX_CHUNK) <= self.cell_words
+        # shards with more candidates than a cell holds exchange them over NCCL
+        fits = vocab_shard_rows is not None and exchange_argmax.fits_cell(vocab_shard_rows, self.cell_words)
         self.vocab_shard_rows = vocab_shard_rows if fits else None
         self.buffer = torch.zeros(exchange_bytes(MAX_ROWS, world, hidden, dtype), dtype=torch.uint8, device=device)
         self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
@@ -174,9 +174,10 @@ def _argmax_agrees(fused: FusedAllReduceNorm, rank: int, world: int, gen: torch.
     logits = torch.randn(MAX_ROWS, world * width, generator=gen, device=fused.device).to(fused.dtype)
     logits[torch.arange(MAX_ROWS), torch.arange(MAX_ROWS) * width // 2 % (world * width)] = 100.0
     got = fused.argmax(logits[:, rank * width: (rank + 1) * width], rank * width, width, max_spins=_PROBE_SPINS)
+    want = logits.float().argmax(dim=-1)
     torch.cuda.synchronize(fused.device)
-    if fused.failed_waits() or not torch.equal(got, logits.float().argmax(dim=-1)):
+    if fused.failed_waits() or not torch.equal(got, want):
         log.warning("exchanged argmax: %d failed waits, %d rows differ from argmax", fused.failed_waits(),
-                    int((got != logits.float().argmax(dim=-1)).sum().item()))
+                    int((got != want).sum().item()))
         return False
     return True
