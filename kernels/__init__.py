@@ -32,6 +32,7 @@ __all__ = [
     "int8_linear_silu_and_mul",
     "linear",
     "linear_silu_and_mul",
+    "norm_project_add",
     "paged_attention",
     "pick_argmax_candidate",
     "rms_norm",
@@ -227,23 +228,46 @@ def decode_attention(
     return _ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T + bias. One row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the
-    decode GEMV, which reads the weight faster than cuBLAS does at M = 1; everything else is F.linear."""
+Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps)
+
+
+def norm_project_add(project, x: torch.Tensor, norm: Norm | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """project(rms_norm(x, *norm)) + residual, each part where given, as separate ops: for projections with no fused
+    kernel (kernels/reference.py)."""
+    return _ref.norm_project_add(project, x, norm, residual, rms_norm)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: Norm | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias; with norm, of rms_norm(x, *norm); with residual [..., N], plus it. One
+    row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the decode GEMV, which reads the weight faster than
+    cuBLAS does at M = 1 and fuses the norm and the residual add; everything else is F.linear and separate ops."""
+    return _linear(x, weight, bias, norm, residual, gated=False)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        norm: Norm | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias, norm=norm)) for a fused gate_up weight [2N, K] -> [..., N]; at one row on
+    CUDA the decode GEMV applies the SiLU and product itself, saving a kernel."""
+    if weight.shape[0] % 2:
+        return silu_and_mul(linear(x, weight, bias, norm=norm))
+    return _linear(x, weight, bias, norm, None, gated=True)
+
+
+def _linear(x, weight, bias, norm, residual, gated: bool) -> torch.Tensor:
     if ops := _gemv_row(x, weight):
         n, k = weight.shape
-        return ops.gemv.gemv(x, weight, None, bias, config=ops.gemv_configs.gemv_config(n, k, 1, weight.dtype))
-    return F.linear(x, weight, bias)
-
-
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias)) for a fused gate_up weight [2N, K] -> [..., N]; at one row on CUDA the
-    decode GEMV applies the SiLU and product itself, saving a kernel."""
-    if weight.shape[0] % 2 == 0 and (ops := _gemv_row(x, weight)):
-        n, k = weight.shape
-        return ops.gemv.gemv(x, weight, None, bias, config=ops.gemv_configs.gated_gemv_config(n, k, 1, weight.dtype),
-                             gated=True)
-    return silu_and_mul(linear(x, weight, bias))
+        configs = ops.gemv_configs
+        if norm is None:
+            config = (configs.gated_gemv_config if gated else configs.gemv_config)(n, k, 1, weight.dtype)
+        else:
+            config = configs.normed_gemv_config(n, k, weight.dtype, gated)
+        if config is not None:
+            return ops.gemv.gemv(x, weight, None, bias, config=config, gated=gated, norm=norm, residual=residual)
+        return _linear(rms_norm(x, *norm), weight, bias, None, residual, gated)
+    out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, residual)
+    return silu_and_mul(out) if gated else out
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -256,20 +280,23 @@ def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> types.SimpleNamespace | 
     return None
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times the int8 (or float8_e4m3fn) weight [N, K] with per-output-channel scales [N], plus bias."""
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
+                norm: Norm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the int8 (or float8_e4m3fn) weight [N, K] with per-output-channel scales [N], plus bias; norm
+    and residual as in linear (fused in the GEMVs)."""
     if ops := _triton_for(x):
-        return ops.int8_matmul.int8_linear(x, qweight, scales, bias)
-    return _ref.int8_linear(x, qweight, scales, bias)
+        return ops.int8_matmul.int8_linear(x, qweight, scales, bias, norm=norm, residual=residual)
+    return norm_project_add(lambda h: _ref.int8_linear(h, qweight, scales, bias), x, norm, residual)
 
 
 def int8_linear_silu_and_mul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """silu_and_mul(int8_linear(...)) for a fused gate_up weight [2N, K] -> [..., N], in the GEMV at decode sizes."""
     if ops := _triton_for(x):
-        return ops.int8_matmul.int8_linear(x, qweight, scales, bias, gated=True)
-    return _ref.silu_and_mul(_ref.int8_linear(x, qweight, scales, bias))
+        return ops.int8_matmul.int8_linear(x, qweight, scales, bias, gated=True, norm=norm)
+    return _ref.silu_and_mul(int8_linear(x, qweight, scales, bias, norm=norm))
 
 
 def int4_linear(
@@ -281,12 +308,18 @@ def int4_linear(
     bias: torch.Tensor | None,
     *,
     gated: bool = False,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] times the int4 weight (qweight [N, K/8] int32, scales / zeros [N, K/G]), plus bias; gated: silu(gate)
-    * up of a fused gate_up weight [2N, K] -> [..., N], in the GEMV at one row."""
+    * up of a fused gate_up weight [2N, K] -> [..., N], in the GEMV at one row; norm and residual as in linear."""
+    if gated and residual is not None:
+        raise ValueError("int4_linear: a gated projection takes no residual")
     if ops := _triton_for(x):
-        return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias, gated=gated)
-    out = _ref.int4_linear(x, qweight, scales, zeros, group_size, bias)
+        return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
+                                           residual=residual)
+    out = norm_project_add(lambda h: _ref.int4_linear(h, qweight, scales, zeros, group_size, bias), x, norm,
+                           residual)
     return _ref.silu_and_mul(out) if gated else out
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_rows import gated_block_n, program_rows, store_outputs
+from kernels.gemv_rows import Fusions, gated_block_n, inverse_rms, program_rows, store_outputs
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
@@ -21,12 +21,15 @@ def gemv_kernel(
     x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om,
+    norm_weight_ptr, residual_ptr, eps,
     HAS_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # every program's rows in range and K % BLOCK_K == 0: no masks
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr = False,  # N output channels of silu(gate) * up from 2N weight rows (kernels/gemv_rows.py)
+    NORM: tl.constexpr = False,  # x is normed on the way in (kernels/gemv_rows.py)
+    RESIDUAL: tl.constexpr = False,  # the residual rows are added to the outputs
     PDL: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
@@ -39,21 +42,28 @@ def gemv_kernel(
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         if EVEN:
-            x = tl.load(x_row + k)
+            x = tl.load(x_row + k).to(tl.float32)
             w = tl.load(w_rows + k[None, :])
         else:
-            x = tl.load(x_row + k, mask=k < K, other=0.0)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if NORM:
+            squares += x * x
+            x *= tl.load(norm_weight_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
+    if NORM:
+        out *= inverse_rms(tl.sum(squares, axis=0), K, eps)
     if HAS_SCALES:
         out *= tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    store_outputs(out_ptr + m.to(tl.int64) * stride_om, out, pid_n, N, row_ok, BLOCK_N, GATED)
+    store_outputs(out_ptr + m.to(tl.int64) * stride_om, out, pid_n, N, row_ok, BLOCK_N, GATED,
+                  residual_ptr + m.to(tl.int64) * N, RESIDUAL)
 
 
 def gemv(
@@ -64,9 +74,12 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] * scales[:, None])^T + bias -> [..., N] in x.dtype; gated: silu of the first N / 2
-    outputs times the last N / 2 -> [..., N / 2]."""
+    outputs times the last N / 2 -> [..., N / 2]. norm = (weight [K], eps): the product is taken with
+    rms_norm(x, weight, eps) instead of x; residual [..., N]: added to the outputs."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -82,12 +95,13 @@ def gemv(
     block_n = gated_block_n(cfg.block_n) if gated else cfg.block_n
     channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)
     m = rows.shape[0]
+    fusions = Fusions.checked("gemv", m, k, channels, x.dtype, gated, norm, residual)
     out = torch.empty((m, channels), dtype=x.dtype, device=x.device)
     if m:
-        placeholder = weight  # the kernel reads neither pointer when its flag is off
+        placeholder = weight  # the kernel reads none of these pointers when its flag is off
         gemv_kernel[(m * triton.cdiv(channels, per_program),)](
             rows, weight, scales if scales is not None else placeholder, bias if bias is not None else placeholder,
-            out, m, channels, k, rows.stride(0), weight.stride(0), out.stride(0),
+            out, m, channels, k, rows.stride(0), weight.stride(0), out.stride(0), **fusions.launch_args(placeholder),
             HAS_SCALES=scales is not None, HAS_BIAS=bias is not None,
             EVEN=channels % per_program == 0 and k % cfg.block_k == 0,
             BLOCK_N=block_n, BLOCK_K=cfg.block_k, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -52,10 +52,28 @@ def gated_gemv_config(n: int, k: int, m: int, weight_dtype: torch.dtype) -> Gemv
     return GemvConfig(block_n=2, block_k=2048, num_warps=2, num_stages=3)
 
 
-def int4_gemv_config(n: int, k: int, gated: bool = False) -> GemvConfig:
+def normed_gemv_config(n: int, k: int, weight_dtype: torch.dtype, gated: bool = False) -> GemvConfig | None:
+    """One row through kernels/gemv.py or kernels/gemv_int.py with the RMSNorm before it fused (kernels/gemv_rows.py):
+    each program re-reads the norm's weight with x, so more channels a program than without it pay. The best of a
+    sweep at Llama-3-8B's qkv and gated gate_up (BENCHMARKS.md); None where the best fused GEMV measured slower than
+    the plain one after a separate norm kernel (~2 us): the gated gate_up in bf16 (55.1 against 52.7 us) and fp8
+    (39.1 against 31.7)."""
+    if weight_dtype == torch.int8:
+        return GemvConfig(block_n=16, block_k=512, num_warps=4) if gated else GemvConfig(block_n=8, block_k=1024)
+    if gated:
+        return None
+    if weight_dtype.itemsize == 1:  # float8_e4m3fn
+        return GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
+    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+
+
+def int4_gemv_config(n: int, k: int, gated: bool = False, normed: bool = False) -> GemvConfig:
     """kernels/gemv_int4.py at one row, from a sweep (BENCHMARKS.md): 16 channels a program over 1024-wide tiles
     (within 2% of each layer's best, plain and gated), 4 channels over 2048-wide tiles where those divide K and the
-    layer is no wider than deep (o_proj, down_proj and TP = 2's qkv: 7-9% faster there)."""
+    layer is no wider than deep (o_proj, down_proj and TP = 2's qkv: 7-9% faster there). With the RMSNorm fused
+    (normed), 8 channels over 2048-wide tiles where those divide K (qkv and gate_up, plain and gated)."""
+    if normed and k % 2048 == 0:
+        return GemvConfig(block_n=8, block_k=2048, num_warps=4)
     if not gated and k % 2048 == 0 and n <= k:
         return GemvConfig(block_n=4, block_k=2048, num_warps=4)
     return GemvConfig(block_n=16, block_k=1024, num_warps=8)

@@ -10,18 +10,22 @@ paired to match, (x_i, x_i+4), in inline PTX once per tile of a program, which s
 group, s * (sum q x - z * sum x) applies scale and zero point. Under the interpreter, and for groups of fewer than
 32, the same sums run in float32 with shifts and masks.
 
+The RMSNorm before it and the residual add after it can be fused (kernels/gemv_rows.py): with the norm, x times the
+norm's weight is what gets rounded to float16.
+
 Activations beyond float16's range (65504) do not fit this kernel; decode inputs to linear layers stay far below."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.bf16_words import bf16_quad, bf16_words
-from kernels.gemv_rows import gated_block_n, program_rows, store_outputs
+from kernels.gemv_rows import Fusions, gated_block_n, inverse_rms, program_rows, store_outputs
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
@@ -42,24 +46,20 @@ def _half2_parts(pairs):
     return lo, hi
 
 
-@triton.jit
-def _activation_pairs(xa, xb, PTX: tl.constexpr):
-    """The eight bf16 activations of a weight word (xa: x_0..x_3, xb: x_4..x_7, int64 words) -> the half2 pairs
-    (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) and their float32 sum."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a0, a1, b0, b1, f0, f1, f2, f3, f4, f5, f6, f7, s;
-            mov.b64 {a0, a1}, $5;
-            mov.b64 {b0, b1}, $6;
-            shl.b32 f0, a0, 16;
-            and.b32 f1, a0, 0xFFFF0000;
-            shl.b32 f2, a1, 16;
-            and.b32 f3, a1, 0xFFFF0000;
-            shl.b32 f4, b0, 16;
-            and.b32 f5, b0, 0xFFFF0000;
-            shl.b32 f6, b1, 16;
-            and.b32 f7, b1, 0xFFFF0000;
+_UNPACK_BF16 = """
+            mov.b64 {{a0, a1}}, {a};
+            mov.b64 {{b0, b1}}, {b};
+            shl.b32 {p}0, a0, 16;
+            and.b32 {p}1, a0, 0xFFFF0000;
+            shl.b32 {p}2, a1, 16;
+            and.b32 {p}3, a1, 0xFFFF0000;
+            shl.b32 {p}4, b0, 16;
+            and.b32 {p}5, b0, 0xFFFF0000;
+            shl.b32 {p}6, b1, 16;
+            and.b32 {p}7, b1, 0xFFFF0000;"""
+
+# f0..f7 -> the four half2 pairs ($0..$3) and the float32 sum ($4)
+_PAIRS_AND_SUM = """
             cvt.rn.f16x2.f32 $0, f4, f0;
             cvt.rn.f16x2.f32 $1, f5, f1;
             cvt.rn.f16x2.f32 $2, f6, f2;
@@ -71,14 +71,70 @@ def _activation_pairs(xa, xb, PTX: tl.constexpr):
             add.f32 s, s, f5;
             add.f32 s, s, f6;
             add.f32 $4, s, f7;
-            }""",
-            constraints="=r,=r,=r,=r,=f,l,l", args=[xa, xb],
+            }"""
+
+PAIRS_ASM = tl.constexpr("""{
+            .reg .b32 a0, a1, b0, b1, f0, f1, f2, f3, f4, f5, f6, f7, s;"""
+                         + _UNPACK_BF16.format(a="$5", b="$6", p="f") + _PAIRS_AND_SUM)
+
+# the sum of the squares of f0..f7 into $5
+_SQUARES = """
+            mul.f32 q, f0, f0;
+            fma.rn.f32 q, f1, f1, q;
+            fma.rn.f32 q, f2, f2, q;
+            fma.rn.f32 q, f3, f3, q;
+            fma.rn.f32 q, f4, f4, q;
+            fma.rn.f32 q, f5, f5, q;
+            fma.rn.f32 q, f6, f6, q;
+            fma.rn.f32 $5, f7, f7, q;"""
+
+# x's values in f, the norm weight's in g; the sum of x's squares ($5) before f is scaled by g
+NORMED_PAIRS_ASM = tl.constexpr("""{
+            .reg .b32 a0, a1, b0, b1, f0, f1, f2, f3, f4, f5, f6, f7, g0, g1, g2, g3, g4, g5, g6, g7, s, q;"""
+                                + _UNPACK_BF16.format(a="$6", b="$7", p="f") + _UNPACK_BF16.format(a="$8", b="$9", p="g")
+                                + _SQUARES + """
+            mul.f32 f0, f0, g0;
+            mul.f32 f1, f1, g1;
+            mul.f32 f2, f2, g2;
+            mul.f32 f3, f3, g3;
+            mul.f32 f4, f4, g4;
+            mul.f32 f5, f5, g5;
+            mul.f32 f6, f6, g6;
+            mul.f32 f7, f7, g7;""" + _PAIRS_AND_SUM)
+
+
+@triton.jit
+def _activation_pairs(xa, xb, PTX: tl.constexpr):
+    """The eight bf16 activations of a weight word (xa: x_0..x_3, xb: x_4..x_7, int64 words) -> the half2 pairs
+    (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) and their float32 sum."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm=PAIRS_ASM, constraints="=r,=r,=r,=r,=f,l,l", args=[xa, xb],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.float32), is_pure=True, pack=1,
         )
     x0, x1, x2, x3 = bf16_quad(xa)
     x4, x5, x6, x7 = bf16_quad(xb)
     return (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7),
             x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
+
+
+@triton.jit
+def _normed_activation_pairs(xa, xb, na, nb, PTX: tl.constexpr):
+    """_activation_pairs of x times the norm's weight (na, nb: its bf16 words like xa, xb), and the sum of the
+    squares of x's eight values."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm=NORMED_PAIRS_ASM, constraints="=r,=r,=r,=r,=f,=f,l,l,l,l", args=[xa, xb, na, nb],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    x0, x1, x2, x3 = bf16_quad(xa)
+    x4, x5, x6, x7 = bf16_quad(xb)
+    n0, n1, n2, n3 = bf16_quad(na)
+    n4, n5, n6, n7 = bf16_quad(nb)
+    squares = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
+    x0, x1, x2, x3, x4, x5, x6, x7 = x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7
+    return (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7),
+            x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, squares)
 
 
 @triton.jit
@@ -147,6 +203,7 @@ def _split4(t):
 def gemv_int4_kernel(
     x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
     M, N, KW, G,
+    norm_weight_ptr, residual_ptr, eps,
     GROUP_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # every program's rows in range and KW % (BLOCK_K / 8) == 0
@@ -154,6 +211,8 @@ def gemv_int4_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE
     PTX: tl.constexpr,  # inline PTX (not under the interpreter); groups of fewer than 32 take the float32 path
     GATED: tl.constexpr = False,  # silu(gate) * up from interleaved gate / up rows (kernels/gemv_rows.py)
+    NORM: tl.constexpr = False,  # x is normed on the way in (kernels/gemv_rows.py); norm_weight_ptr: like x_ptr
+    RESIDUAL: tl.constexpr = False,  # the residual rows are added to the outputs
     PDL: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
@@ -170,6 +229,7 @@ def gemv_int4_kernel(
     words = tl.arange(0, WORDS)
     groups = tl.arange(0, GROUPS)
     acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    squares = tl.zeros([WORDS], tl.float32)
     for k0 in range(0, KW, WORDS):
         j = k0 + words
         g = k0 // GROUP_WORDS + groups
@@ -186,7 +246,13 @@ def gemv_int4_kernel(
             tile_groups_ok = row_ok[:, None] & (g < G)[None, :]
             s = tl.load(scales_ptr + rows64 * G + g[None, :], mask=tile_groups_ok, other=0.0)
             z = tl.load(zeros_ptr + rows64 * G + g[None, :], mask=tile_groups_ok, other=0)
-        p04, p15, p26, p37, x_words = _activation_pairs(xa, xb, PTX)
+        if NORM:
+            na = tl.load(norm_weight_ptr + 2 * j, mask=j < KW, other=0)
+            nb = tl.load(norm_weight_ptr + 2 * j + 1, mask=j < KW, other=0)
+            p04, p15, p26, p37, x_words, word_squares = _normed_activation_pairs(xa, xb, na, nb, PTX)
+            squares += word_squares
+        else:
+            p04, p15, p26, p37, x_words = _activation_pairs(xa, xb, PTX)
         # [1, GROUPS], laid out like group_dots below (a [GROUPS] vector would be moved through shared memory)
         x_sums = tl.sum(tl.reshape(x_words[None, :], [1, GROUPS, GROUP_WORDS]), axis=2)
         if PTX and GROUP_WORDS % 4 == 0:  # four words of one group per inline PTX call
@@ -208,9 +274,12 @@ def gemv_int4_kernel(
             group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GROUP_WORDS]), axis=2)
         acc += s * (group_dots - z.to(tl.float32) * x_sums)
     out = tl.sum(acc, axis=1)
+    if NORM:
+        out *= inverse_rms(tl.sum(squares, axis=0), 8 * KW, eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED)
+    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED, residual_ptr + m.to(tl.int64) * N,
+                  RESIDUAL)
 
 
 _PTX = os.environ.get("TRITON_INTERPRET") != "1"
@@ -229,11 +298,12 @@ def gemv_int4_takes(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, *, config: GemvConfig, ptx: bool = True, gated: bool = False
-              ) -> torch.Tensor:
+              bias: torch.Tensor | None = None, *, config: GemvConfig, ptx: bool = True, gated: bool = False,
+              norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 rows x [..., K] @ dequantized(qweight [N, K/8], scales [N, K/G], zeros [N, K/G])^T + bias -> [..., N];
     gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2]. config.block_k is raised to a
-    multiple of the group size."""
+    multiple of the group size. norm = (bf16 weight [K], eps): the product is taken with rms_norm(x, weight, eps);
+    residual [..., N]: added to the outputs."""
     n, kw = qweight.shape
     k = kw * 8
     if not gemv_int4_takes(qweight, scales, zeros, group_size):
@@ -249,11 +319,14 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     block_n = gated_block_n(config.block_n) if gated else config.block_n
     block_k = max(config.block_k, group_size)
     channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)
+    fusions = Fusions.checked("gemv_int4", m, k, channels, x.dtype, gated, norm, residual)
+    if fusions.norm_weight is not None:
+        fusions = replace(fusions, norm_weight=bf16_words(fusions.norm_weight, k, "gemv_int4 norm weight"))
     out = torch.empty(m, channels, dtype=x.dtype, device=x.device)
     if m:
         gemv_int4_kernel[(m * triton.cdiv(channels, per_program),)](
             x_words, qweight, scales, zeros, bias if bias is not None else scales, out, m, channels, kw, groups,
-            GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
+            **fusions.launch_args(scales), GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
             EVEN=channels % per_program == 0 and kw % (block_k // 8) == 0, BLOCK_N=block_n, BLOCK_K=block_k,
             PTX=_PTX and ptx, GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages,
             **launch_options(x),

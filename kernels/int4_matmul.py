@@ -12,6 +12,7 @@ an H200 beat both that GEMM and tinygemm from 17 rows on the other layers (BENCH
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import triton
@@ -20,8 +21,10 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.gemv_configs import int4_gemv_config
 from kernels.gemv_int4 import gemv_int4, gemv_int4_takes
+from kernels.norm import rms_norm
 from kernels.quant_linear_config import GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, autotuned_gemv, launch_quant_linear
+from kernels.reference import norm_project_add
 
 
 @triton.jit
@@ -205,17 +208,29 @@ def int4_linear(
     gemm: GemmConfig | None = None,
     max_gemv_m: int = GEMV_MAX_M,
     max_gemm_m: int | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype: one bf16 row through
     kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
     float32 GEMV (autotuned on CUDA per (N, K) without a config), up to max_gemm_m (default: GEMM_MAX_ROWS on
     layers of GEMM_MIN_N outputs or more, else none) through the tensor-core GEMM, more through dequantize + cuBLAS.
-    gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection)."""
+    gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection).
+    norm = (weight [K], eps): of rms_norm(x, *norm); residual [..., N]: added to the outputs (both fused in the
+    one-row GEMV, separate kernels elsewhere)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
-    if x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16 and gemv_int4_takes(qweight, scales, zeros,
-                                                                                        group_size):
-        return gemv_int4(x, qweight, scales, zeros, group_size, bias, config=gemv or int4_gemv_config(n, k, gated),
-                         gated=gated)
+    if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16
+            and gemv_int4_takes(qweight, scales, zeros, group_size)
+            and (norm is None or norm[0].dtype == torch.bfloat16)):
+        config = gemv or int4_gemv_config(n, k, gated, normed=norm is not None)
+        return gemv_int4(x, qweight, scales, zeros, group_size, bias, config=config, gated=gated, norm=norm,
+                         residual=residual)
+    if gated and residual is not None:
+        raise ValueError("int4_linear: a gated projection takes no residual")
+    if norm is not None or residual is not None:
+        unfused = partial(int4_linear, qweight=qweight, scales=scales, zeros=zeros, group_size=group_size, bias=bias,
+                          gated=gated, gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m)
+        return norm_project_add(unfused, x, norm, residual, rms_norm)
     if max_gemm_m is None:
         max_gemm_m = GEMM_MAX_ROWS if n >= GEMM_MIN_N else max_gemv_m
     if group_size < 16 or group_size & (group_size - 1):

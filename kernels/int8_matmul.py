@@ -11,11 +11,12 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul
 from kernels.gemv import gemv as gemv_rows
-from kernels.gemv_configs import gated_gemv_config, gemv_config
+from kernels.gemv_configs import gated_gemv_config, gemv_config, normed_gemv_config
 from kernels.gemv_int import gemv_int8
+from kernels.norm import rms_norm
 from kernels.quant_linear_config import GEMM_MAX_M, GEMV_MAX_M, GemmConfig, GemvConfig
 from kernels.quant_linear_launch import QuantLinearKernels, launch_quant_linear
-from kernels.reference import dequantize_int8
+from kernels.reference import dequantize_int8, norm_project_add
 
 
 @triton.jit
@@ -65,23 +66,37 @@ def int8_linear(
     gemm: GemmConfig | None = None,
     max_gemv_m: int = GEMV_MAX_M,
     max_gemm_m: int = GEMM_MAX_M,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight [N, K] int8 or float8_e4m3fn, scales [N] float32)^T + bias -> [..., N].
     gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection), in the
     GEMVs' epilogue, after the GEMM through kernels/activation.py. Without a GEMV config, the one
-    kernels/gemv_configs.py gives for the shape."""
+    kernels/gemv_configs.py gives for the shape. norm = (weight [K], eps): of rms_norm(x, *norm); residual [..., N]:
+    added to the outputs (both fused in the GEMVs, separate kernels around the GEMM)."""
     n, k = qweight.shape
     if x.shape[-1] != k or scales.shape != (n,) or qweight.stride(-1) != 1:
         raise ValueError(f"int8_linear: x [..., {k}], qweight [{n}, {k}] contiguous and scales [{n}] expected")
     m = x.numel() // k
     rule = gated_gemv_config if gated else gemv_config
-    if m == 1 and max_gemv_m and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0:
-        return gemv_int8(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated)
+    if m == 1 and norm is not None and gemv is None and max_gemv_m:
+        gemv = normed_gemv_config(n, k, qweight.dtype, gated)
+        if gemv is None:  # measured faster after a separate norm kernel than fused
+            x, norm = rms_norm(x, *norm), None
+    fusions = {"norm": norm, "residual": residual}
+    if (m == 1 and max_gemv_m and x.dtype == torch.bfloat16 and qweight.dtype == torch.int8 and k % 4 == 0
+            and (norm is None or norm[0].dtype == torch.bfloat16)):
+        return gemv_int8(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated,
+                         **fusions)
     if 0 < m <= max_gemv_m:
-        return gemv_rows(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated)
-    out = launch_quant_linear(
-        _INT8_KERNELS, x, (qweight, scales), (qweight.stride(0),), n, bias,
-        lambda dtype: dequantize_int8(qweight, scales, dtype), {},
-        gemm=gemm, max_gemv_m=0, max_gemm_m=max_gemm_m,
-    )
+        return gemv_rows(x, qweight, scales, bias, config=gemv or rule(n, k, m, qweight.dtype), gated=gated,
+                         **fusions)
+    if gated and residual is not None:
+        raise ValueError("int8_linear: a gated projection takes no residual")
+    out = norm_project_add(
+        lambda h: launch_quant_linear(
+            _INT8_KERNELS, h, (qweight, scales), (qweight.stride(0),), n, bias,
+            lambda dtype: dequantize_int8(qweight, scales, dtype), {},
+            gemm=gemm, max_gemv_m=0, max_gemm_m=max_gemm_m,
+        ), x, norm, residual, rms_norm)
     return silu_and_mul(out) if gated else out

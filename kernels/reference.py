@@ -32,6 +32,14 @@ def add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def norm_project_add(project, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+                     residual: torch.Tensor | None = None, rms_norm=rms_norm) -> torch.Tensor:
+    """project(rms_norm(x, *norm)) + residual, each part where given, one op after another: what a decode GEMV's
+    fusions (kernels/gemv_rows.py) compute in one kernel, and the path of the rows that no GEMV takes."""
+    out = project(x if norm is None else rms_norm(x, *norm))
+    return out if residual is None else out + residual
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax: logits [N, V] with V > 0 expected, got shape {tuple(x.shape)}")

@@ -29,11 +29,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, *norm)) + residual, each part where given (kernels.linear)."""
+        return ops.linear(x, self.weight, self.bias, norm=norm, residual=residual)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_silu_and_mul(x, self.weight, self.bias)
+    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
+        return ops.linear_silu_and_mul(x, self.weight, self.bias, norm=norm)
 
     def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
@@ -67,9 +69,12 @@ class RowParallelLinear(Linear):
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(tp.shard_size(in_features, "input features"), out_features, bias, device, dtype, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return ops.linear(x, self.weight, self.bias, residual=residual)
         out = self.tp.all_reduce(self.forward_partial(x))
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        return out if residual is None else out + residual
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output: before the all-reduce and the bias."""
@@ -86,11 +91,19 @@ def row_parallel_add_rms_norm(layer: nn.Module, x: torch.Tensor, residual: torch
     return layer.tp.all_reduce_add_rms_norm(forward_partial(x), residual, weight, eps)
 
 
-def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused gate_up projection; layers with a fused kernel for it (`forward_silu_and_mul`:
-    the decode GEMVs apply it in their epilogue) run that."""
+def gate_up_silu(layer: nn.Module, x: torch.Tensor, norm: ops.Norm | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up projection (of rms_norm(x, *norm) with a norm); layers with a fused kernel
+    for it (`forward_silu_and_mul`: the decode GEMVs apply it in their epilogue) run that."""
     fused = getattr(layer, "forward_silu_and_mul", None)
-    return fused(x) if fused is not None else ops.silu_and_mul(layer(x))
+    return fused(x, norm=norm) if fused is not None else ops.silu_and_mul(layer(x, norm=norm))
+
+
+def fuses_norms(tp: TensorParallel, num_tokens: int) -> bool:
+    """Whether a step leaves each RMSNorm to the projection after it and each residual add to the one before it:
+    one token on one rank, where the projections are decode GEMVs that fuse them (kernels/gemv_rows.py; one whose
+    fused form measured slower runs a separate norm kernel first) and the step saves most of its norm kernels.
+    Batched steps keep the one-kernel add + norm, which the GEMMs cannot fuse."""
+    return tp.size == 1 and num_tokens == 1
 
 
 def padded_vocab_size(vocab_size: int, tp: TensorParallel) -> int:

@@ -17,6 +17,7 @@ from engine.models.linear import (
     Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    fuses_norms,
     gate_up_silu,
     row_parallel_add_rms_norm,
     vocab_parallel_argmax,
@@ -61,10 +62,12 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cos_sin: torch.Tensor,
+        norm: ops.Norm | None = None,
     ) -> torch.Tensor:
-        """The attention heads' outputs [tokens, heads * head_dim], before o_proj."""
+        """The attention heads' outputs [tokens, heads * head_dim] of x (of rms_norm(x, *norm) with a norm), before
+        o_proj."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, norm=norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -110,12 +113,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, next_norm, positions, meta, k_cache, v_cache, cos_sin):
         """h: the normed input, residual: the stream it was normed from. Returns the next layer's (h, residual),
-        normed with next_norm; each row-parallel projection's all-reduce runs together with the norm after it."""
+        normed with next_norm; each row-parallel projection's all-reduce runs together with the norm after it.
+        h None: the norms are left to the projections (engine/models/linear.py, fuses_norms), and so is the next
+        layer's: it gets (None, residual)."""
+        if h is None:
+            return None, self._forward_fused_norms(residual, positions, meta, k_cache, v_cache, cos_sin)
         attention = self.self_attn.attend(h, positions, meta, k_cache, v_cache, cos_sin)
         h, residual = row_parallel_add_rms_norm(self.self_attn.o_proj, attention, residual,
                                                 self.post_attention_layernorm, self.eps)
         activation = gate_up_silu(self.mlp.gate_up_proj, h)
         return row_parallel_add_rms_norm(self.mlp.down_proj, activation, residual, next_norm, self.eps)
+
+    def _forward_fused_norms(self, residual, positions, meta, k_cache, v_cache, cos_sin):
+        """The residual stream after this layer, each norm applied by the projection after it and each add by the
+        one before it."""
+        attention = self.self_attn.attend(residual, positions, meta, k_cache, v_cache, cos_sin,
+                                          norm=(self.input_layernorm, self.eps))
+        residual = self.self_attn.o_proj(attention, residual=residual)
+        activation = gate_up_silu(self.mlp.gate_up_proj, residual, norm=(self.post_attention_layernorm, self.eps))
+        return self.mlp.down_proj(activation, residual=residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,12 +159,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        h, residual = self.embed_tokens.forward_rms_norm(input_ids, self.layers[0].input_layernorm,
-                                                         self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        if fuses_norms(self.tp, input_ids.numel()):
+            h, residual = None, self.embed_tokens(input_ids)
+        else:
+            h, residual = self.embed_tokens.forward_rms_norm(input_ids, self.layers[0].input_layernorm, eps)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (k_cache, v_cache) in zip(self.layers, next_norms, kv_caches):
             h, residual = layer(h, residual, next_norm, positions, meta, k_cache, v_cache, self.cos_sin)
-        return h
+        return ops.rms_norm(residual, self.norm, eps) if h is None else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self._logits_shard(hidden), self.embed_tokens)

@@ -55,11 +55,21 @@ class Fp8Linear(ChannelScaledLinear):
             log.warning("fp8 weights: torch._scaled_mm needs compute capability >= 8.9 and sizes divisible by 16; "
                         "this layer dequantizes instead")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, *norm)) + residual, each part where given; fused in the decode GEMV."""
+        if self.mode is not None and self._decode_rows(x):
+            return ops.int8_linear(x, self.qweight, self.scales, self.bias, norm=norm, residual=residual)
+        return ops.norm_project_add(self._project, x, norm, residual)
+
+    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
+        if self.mode is not None and self._decode_rows(x):
+            return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias, norm=norm)
+        return ops.silu_and_mul(self(x, norm=norm))
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        if self._decode_rows(x):
-            return ops.int8_linear(x, self.qweight, self.scales, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if self.mode == "rowwise" and x.dtype == torch.bfloat16:
             out = self._rowwise(rows)
@@ -68,11 +78,6 @@ class Fp8Linear(ChannelScaledLinear):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
-
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is not None and self._decode_rows(x):
-            return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias)
-        return ops.silu_and_mul(self(x))
 
     @staticmethod
     def _decode_rows(x: torch.Tensor) -> bool:

@@ -105,14 +105,19 @@ class Int4Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, *norm)) + residual, each part where given; fused in the one-row GEMV."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if self.tinygemm is not None and x.dtype == torch.bfloat16 and 1 < rows <= tinygemm.MAX_ROWS:
-            return tinygemm.tinygemm_linear(x, *self.tinygemm, self.group_size, self.bias)
-        return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return ops.norm_project_add(
+                lambda h: tinygemm.tinygemm_linear(h, *self.tinygemm, self.group_size, self.bias), x, norm, residual)
+        return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, norm=norm,
+                               residual=residual)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
         """silu(gate) * up of a fused gate_up projection; one row on a GPU in the GEMV's epilogue."""
         if x.numel() == x.shape[-1]:
-            return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, gated=True)
-        return ops.silu_and_mul(self(x))
+            return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, gated=True,
+                                   norm=norm)
+        return ops.silu_and_mul(self(x, norm=norm))

@@ -20,8 +20,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_int8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.int8_linear(x, self.qweight, self.scales, self.bias)
+    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.int8_linear(x, self.qweight, self.scales, self.bias, norm=norm, residual=residual)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias)
+    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
+        return ops.int8_linear_silu_and_mul(x, self.qweight, self.scales, self.bias, norm=norm)
