@@ -78,29 +78,15 @@ PAIRS_ASM = tl.constexpr("""{
                          + _UNPACK_BF16.format(a="$5", b="$6", p="f") + _PAIRS_AND_SUM)
 
 # the sum of the squares of f0..f7 into $5
-_SQUARES = """
-            mul.f32 q, f0, f0;
-            fma.rn.f32 q, f1, f1, q;
-            fma.rn.f32 q, f2, f2, q;
-            fma.rn.f32 q, f3, f3, q;
-            fma.rn.f32 q, f4, f4, q;
-            fma.rn.f32 q, f5, f5, q;
-            fma.rn.f32 q, f6, f6, q;
-            fma.rn.f32 $5, f7, f7, q;"""
+_SQUARES = "\n            mul.f32 q, f0, f0;" + "".join(
+    f"\n            fma.rn.f32 {'$5' if i == 7 else 'q'}, f{i}, f{i}, q;" for i in range(1, 8))
 
 # x's values in f, the norm weight's in g; the sum of x's squares ($5) before f is scaled by g
 NORMED_PAIRS_ASM = tl.constexpr("""{
             .reg .b32 a0, a1, b0, b1, f0, f1, f2, f3, f4, f5, f6, f7, g0, g1, g2, g3, g4, g5, g6, g7, s, q;"""
                                 + _UNPACK_BF16.format(a="$6", b="$7", p="f") + _UNPACK_BF16.format(a="$8", b="$9", p="g")
-                                + _SQUARES + """
-            mul.f32 f0, f0, g0;
-            mul.f32 f1, f1, g1;
-            mul.f32 f2, f2, g2;
-            mul.f32 f3, f3, g3;
-            mul.f32 f4, f4, g4;
-            mul.f32 f5, f5, g5;
-            mul.f32 f6, f6, g6;
-            mul.f32 f7, f7, g7;""" + _PAIRS_AND_SUM)
+                                + _SQUARES + "".join(f"\n            mul.f32 f{i}, f{i}, g{i};" for i in range(8))
+                                + _PAIRS_AND_SUM)
 
 
 @triton.jit
