@@ -114,8 +114,8 @@ def gemv_int8_kernel(
         out *= inverse_rms(tl.sum(squares, axis=0), 4 * K4, eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED, residual_ptr + m.to(tl.int64) * N,
-                  RESIDUAL)
+    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED,
+                  residual_ptr + m.to(tl.int64) * N, RESIDUAL)
 
 
 _PRMT = os.environ.get("TRITON_INTERPRET") != "1"
@@ -144,7 +144,8 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     if m:
         gemv_int8_kernel[(m * triton.cdiv(channels, per_program),)](
             x_words, qweight.view(torch.int32), scales, bias if bias is not None else scales, out, m, channels, k4,
-            **fusions.launch_args(scales), HAS_BIAS=bias is not None, EVEN=channels % per_program == 0 and k4 % words_per_tile == 0,
+            **fusions.launch_args(scales), HAS_BIAS=bias is not None,
+            EVEN=channels % per_program == 0 and k4 % words_per_tile == 0,
             PRMT=_PRMT and prmt, BLOCK_N=block_n, BLOCK_K=config.block_k, GATED=gated, num_warps=config.num_warps,
             num_stages=config.num_stages, **launch_options(x),
         )

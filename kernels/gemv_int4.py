@@ -84,7 +84,8 @@ _SQUARES = "\n            mul.f32 q, f0, f0;" + "".join(
 # x's values in f, the norm weight's in g; the sum of x's squares ($5) before f is scaled by g
 NORMED_PAIRS_ASM = tl.constexpr("""{
             .reg .b32 a0, a1, b0, b1, f0, f1, f2, f3, f4, f5, f6, f7, g0, g1, g2, g3, g4, g5, g6, g7, s, q;"""
-                                + _UNPACK_BF16.format(a="$6", b="$7", p="f") + _UNPACK_BF16.format(a="$8", b="$9", p="g")
+                                + _UNPACK_BF16.format(a="$6", b="$7", p="f")
+                                + _UNPACK_BF16.format(a="$8", b="$9", p="g")
                                 + _SQUARES + "".join(f"\n            mul.f32 f{i}, f{i}, g{i};" for i in range(8))
                                 + _PAIRS_AND_SUM)
 
@@ -264,8 +265,8 @@ def gemv_int4_kernel(
         out *= inverse_rms(tl.sum(squares, axis=0), 8 * KW, eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED, residual_ptr + m.to(tl.int64) * N,
-                  RESIDUAL)
+    store_outputs(out_ptr + m.to(tl.int64) * N, out, pid_n, N, row_ok, BLOCK_N, GATED,
+                  residual_ptr + m.to(tl.int64) * N, RESIDUAL)
 
 
 _PTX = os.environ.get("TRITON_INTERPRET") != "1"

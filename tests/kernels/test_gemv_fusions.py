@@ -143,7 +143,9 @@ def test_fused_ops_gpu_llama_shapes_in_graph(kind: str, n: int, k: int, gated: b
     run, w = op_for(kind, n, k, device)
     x = residual_stream(1, k, device)
     norm_weight = (torch.rand(k, device=device) + 0.5).to(torch.bfloat16)
-    fusions = {"norm": (norm_weight, EPS)} if gated else {"norm": (norm_weight, EPS), "residual": residual_stream(1, n, device)}
+    fusions = {"norm": (norm_weight, EPS)}
+    if not gated:
+        fusions["residual"] = residual_stream(1, n, device)
     run(x, gated, **fusions)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
