@@ -56,7 +56,7 @@ def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 36, 192), (3, 20, 256)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 36, 192), (3, 20, 256), (1, 37, 224)])
 def test_fused_norm_matches_rms_norm_then_linear(device: torch.device, kind: str, m: int, n: int, k: int) -> None:
     run, w = random_layer(kind, n, k, device)
     x = residual_stream(m, k, device)
