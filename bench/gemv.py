@@ -13,6 +13,13 @@ between. Reports microseconds per launch and weight bytes read per second. The g
 (the SiLU and product fused into the GEMV) against the plain GEMV followed by the SiLU kernel.
 
     python bench/gemv.py --layers gate_up gate_up_tp2 --sweep-gated --jobs 14   # every gated configuration
+
+`--fusions` also times, at one row on the whole model's layers, what batch-1 decode runs with the RMSNorm and the
+residual add folded into the GEMVs (kernels/gemv_rows.py): qkv and gate_up after a norm kernel against the GEMV
+that norms x itself (the launch rule for the fused form; where that rule declines, the norm kernel stays), o_proj
+and down with the residual added in their epilogue.
+
+    python bench/gemv.py --dtypes bf16 int8 int4 fp8 --layers qkv o_proj gate_up down --fusions
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
-from kernels.gemv_configs import gated_gemv_config, gemv_config, int4_gemv_config  # noqa: E402
+from kernels.gemv_configs import gated_gemv_config, gemv_config, int4_gemv_config, normed_gemv_config  # noqa: E402
 from kernels.gemv_int import gemv_int8  # noqa: E402
 from kernels.gemv_int4 import gemv_int4  # noqa: E402
 from kernels.int4_tinygemm import pack_for_tinygemm, tinygemm_linear  # noqa: E402
+from kernels.norm import rms_norm  # noqa: E402
 from kernels.reference import dequantize_int4  # noqa: E402
 from kernels.quant_linear_config import GemvConfig  # noqa: E402
 
@@ -48,6 +56,8 @@ SHAPES = [
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int8_shifts": torch.int8, "fp8": torch.float8_e4m3fn,
                  "int4": torch.int32, "int4_tinygemm": torch.int32}
 INT4_GROUP = 128
+FUSABLE = ("bf16", "int8", "int4", "fp8")  # the kernels that take the norm and residual fusions
+FUSED_LAYERS = ("qkv", "o_proj", "gate_up", "down")  # one GPU: the tensor-parallel halves keep the fused all-reduce
 LAUNCHES = 64
 L2_FLUSH_BYTES = 512 << 20
 
@@ -88,10 +98,11 @@ def gemv_of(dtype: str, gated: bool = False) -> Callable[..., torch.Tensor]:
         plain = lambda x, w, cfg: tinygemm_linear(x, *w, INT4_GROUP, None)  # noqa: E731
         return (lambda x, w, cfg: silu_and_mul(plain(x, w, cfg))) if gated else plain
     if dtype == "int4":
-        return lambda x, w, cfg: gemv_int4(x, *w, INT4_GROUP, config=cfg, gated=gated)
+        return lambda x, w, cfg, **fusions: gemv_int4(x, *w, INT4_GROUP, config=cfg, gated=gated, **fusions)
     if dtype.startswith("int8"):
-        return lambda x, w, cfg: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8", gated=gated)
-    return lambda x, w, cfg: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg, gated=gated)
+        return lambda x, w, cfg, **fusions: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8", gated=gated, **fusions)
+    return lambda x, w, cfg, **fusions: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg, gated=gated,
+                                             **fusions)
 
 
 def takes(dtype: str, cfg: GemvConfig) -> bool:
@@ -133,14 +144,34 @@ class Layer:
             times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
         return sorted(times)[len(times) // 2]
 
-    def gemv_call(self, cfg: GemvConfig | None, gated: bool = False) -> Callable[[tuple[torch.Tensor, ...]], object]:
+    def shipped_config(self, gated: bool = False) -> GemvConfig:
         if self.dtype == "int4":
-            cfg = cfg or int4_gemv_config(self.n, self.k, gated)
-        else:
-            rule = gated_gemv_config if gated else gemv_config
-            cfg = cfg or rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
+            return int4_gemv_config(self.n, self.k, gated)
+        rule = gated_gemv_config if gated else gemv_config
+        return rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
+
+    def gemv_call(self, cfg: GemvConfig | None, gated: bool = False) -> Callable[[tuple[torch.Tensor, ...]], object]:
+        cfg = cfg or self.shipped_config(gated)
         run = gemv_of(self.dtype, gated)
         return lambda w: run(self.x, w, cfg)
+
+    def fusion_times(self, gated: bool, takes_norm: bool) -> dict[str, float | None]:
+        """One row: (takes_norm) the norm kernel then the shipped GEMV against the GEMV that norms x itself under
+        the fused launch rule (None where the rule declines: the norm kernel stays); else the shipped GEMV against
+        the same with the residual added in its epilogue."""
+        run, shipped = gemv_of(self.dtype, gated), self.shipped_config(gated)
+        if not takes_norm:
+            residual = torch.randn(1, self.n, device="cuda", dtype=torch.bfloat16)
+            return {"gemv_us": self.per_launch_us(lambda w: run(self.x, w, shipped)),
+                    "gemv_residual_us": self.per_launch_us(lambda w: run(self.x, w, shipped, residual=residual))}
+        norm = (torch.rand(self.k, device="cuda").add_(0.5).to(torch.bfloat16), 1e-5)
+        if self.dtype == "int4":
+            fused = int4_gemv_config(self.n, self.k, gated, normed=True)
+        else:
+            fused = normed_gemv_config(self.n, self.k, WEIGHT_DTYPES[self.dtype], gated)
+        times = {"norm_kernel_then_gemv_us": self.per_launch_us(lambda w: run(rms_norm(self.x, *norm), w, shipped))}
+        times["fused_norm_us"] = self.per_launch_us(lambda w: run(self.x, w, fused, norm=norm)) if fused else None
+        return times
 
     def check(self) -> float:
         """Largest difference of the shipped configuration to dequantize-then-matmul in float32, relative to the
@@ -185,6 +216,8 @@ def main() -> None:
                         help="gate_up layers: time every configuration of the grid with two or more rows, gated")
     parser.add_argument("--layers", nargs="+", choices=[name for name, _, _ in SHAPES], help="only these layers")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling the sweep's kernels first")
+    parser.add_argument("--fusions", action="store_true",
+                        help="one row, whole-model layers: also time the norm and residual fused into the GEMVs")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
 
@@ -200,10 +233,7 @@ def main() -> None:
                "max_rel_err": layer.check()}
         row["baseline_us"] = cublas_us(n, k, m)
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
-        if dtype.startswith("int4"):
-            shipped = int4_gemv_config(n, k) if dtype == "int4" else None  # tinygemm takes none
-        else:
-            shipped = gemv_config(n, k, m, WEIGHT_DTYPES[dtype])
+        shipped = None if dtype == "int4_tinygemm" else layer.shipped_config()  # tinygemm takes none
         row["gemv_config"] = vars(shipped) if shipped else None
         if grid and any(takes(dtype, c) for c in grid):
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),
@@ -224,6 +254,9 @@ def main() -> None:
                 row["gated_best_config"] = vars(best)
                 row["gated_sweep"] = [{"us": us, **vars(c)} for us, c in timed]
                 print(f"{dtype:5s} m={m} {name:12s} gated best {timed[0][0]:7.2f} us {vars(best)}", flush=True)
+        if args.fusions and m == 1 and dtype in FUSABLE and name in FUSED_LAYERS:
+            row["fusions"] = layer.fusion_times(name == "gate_up", takes_norm=name in ("qkv", "gate_up"))
+            print(f"{dtype:5s} m={m} {name:12s} fusions {row['fusions']}", flush=True)
         tb_s = lambda us, nbytes=layer.bytes: nbytes / (us * 1e-6) / 1e12  # noqa: E731
         cublas_tb_s = tb_s(row["baseline_us"], 2 * n * k)  # cuBLAS reads the bf16 weight
         print(f"{dtype:5s} m={m} {name:12s} cuBLAS bf16 {row['baseline_us']:7.2f} us ({cublas_tb_s:.2f} TB/s)"
