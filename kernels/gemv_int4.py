@@ -91,6 +91,14 @@ NORMED_PAIRS_ASM = tl.constexpr("""{
 
 
 @triton.jit
+def _pairs_and_sum(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Float32 activations -> the half2 pairs (x_0, x_4) .. (x_3, x_7) and their float32 sum (the PTX paths'
+    _PAIRS_AND_SUM, for the interpreter)."""
+    return (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7),
+            x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
+
+
+@triton.jit
 def _activation_pairs(xa, xb, PTX: tl.constexpr):
     """The eight bf16 activations of a weight word (xa: x_0..x_3, xb: x_4..x_7, int64 words) -> the half2 pairs
     (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) and their float32 sum."""
@@ -101,8 +109,7 @@ def _activation_pairs(xa, xb, PTX: tl.constexpr):
         )
     x0, x1, x2, x3 = bf16_quad(xa)
     x4, x5, x6, x7 = bf16_quad(xb)
-    return (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7),
-            x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
+    return _pairs_and_sum(x0, x1, x2, x3, x4, x5, x6, x7)
 
 
 @triton.jit
@@ -119,9 +126,8 @@ def _normed_activation_pairs(xa, xb, na, nb, PTX: tl.constexpr):
     n0, n1, n2, n3 = bf16_quad(na)
     n4, n5, n6, n7 = bf16_quad(nb)
     squares = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
-    x0, x1, x2, x3, x4, x5, x6, x7 = x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7
-    return (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7),
-            x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, squares)
+    p04, p15, p26, p37, total = _pairs_and_sum(x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7)
+    return p04, p15, p26, p37, total, squares
 
 
 @triton.jit
