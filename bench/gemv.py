@@ -1,6 +1,7 @@
 """Decode GEMV benchmark on the GPU: kernels/gemv.py (bf16 and fp8 weights), kernels/gemv_int.py (int8 weights
 decoded by bit operations: PRMT in inline PTX, or "int8_shifts", the same in shifts and masks) and kernels/gemv_int4.py
-(int4 in groups of 128, half2 arithmetic; "int4_tinygemm" times torch's tinygemm kernel on the same weight), against
+(int4 in groups of 128, half2 arithmetic; "int4_a8" the same weights with the activations rounded to int8 and DP4A,
+kernels/gemv_int4_a8.py, which batch-1 decode runs; "int4_tinygemm" torch's tinygemm kernel on the same weight), against
 cuBLAS (F.linear) on bf16 weights of the same shape, at the linear layers of Llama-3-8B (whole and as tensor-parallel
 halves) and its LM head, one token (M = 1) unless told otherwise.
 
@@ -42,6 +43,7 @@ from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_configs import gated_gemv_config, gemv_config, int4_gemv_config, normed_gemv_config  # noqa: E402
 from kernels.gemv_int import gemv_int8  # noqa: E402
 from kernels.gemv_int4 import gemv_int4  # noqa: E402
+from kernels.gemv_int4_a8 import gemv_int4_a8  # noqa: E402
 from kernels.int4_tinygemm import pack_for_tinygemm, tinygemm_linear  # noqa: E402
 from kernels.norm import rms_norm  # noqa: E402
 from kernels.reference import dequantize_int4  # noqa: E402
@@ -54,9 +56,9 @@ SHAPES = [
     ("lm_head", 128256, 4096),
 ]
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int8_shifts": torch.int8, "fp8": torch.float8_e4m3fn,
-                 "int4": torch.int32, "int4_tinygemm": torch.int32}
+                 "int4": torch.int32, "int4_a8": torch.int32, "int4_tinygemm": torch.int32}
 INT4_GROUP = 128
-FUSABLE = ("bf16", "int8", "int4", "fp8")  # the kernels that take the norm and residual fusions
+FUSABLE = ("bf16", "int8", "int4", "int4_a8", "fp8")  # the kernels that take the norm and residual fusions
 FUSED_LAYERS = ("qkv", "o_proj", "gate_up", "down")  # one GPU: the tensor-parallel halves keep the fused all-reduce
 LAUNCHES = 64
 L2_FLUSH_BYTES = 512 << 20
@@ -99,6 +101,8 @@ def gemv_of(dtype: str, gated: bool = False) -> Callable[..., torch.Tensor]:
         return (lambda x, w, cfg: silu_and_mul(plain(x, w, cfg))) if gated else plain
     if dtype == "int4":
         return lambda x, w, cfg, **fusions: gemv_int4(x, *w, INT4_GROUP, config=cfg, gated=gated, **fusions)
+    if dtype == "int4_a8":  # its launch shape is fixed (kernels/gemv_int4_a8.py): cfg is not read
+        return lambda x, w, cfg, **fusions: gemv_int4_a8(x, *w, INT4_GROUP, gated=gated, **fusions)
     if dtype.startswith("int8"):
         return lambda x, w, cfg, **fusions: gemv_int8(x, *w, config=cfg, prmt=dtype == "int8", gated=gated, **fusions)
     return lambda x, w, cfg, **fusions: gemv(x, w[0], w[1] if len(w) > 1 else None, config=cfg, gated=gated,
@@ -106,7 +110,7 @@ def gemv_of(dtype: str, gated: bool = False) -> Callable[..., torch.Tensor]:
 
 
 def takes(dtype: str, cfg: GemvConfig) -> bool:
-    if dtype == "int4_tinygemm":
+    if dtype in ("int4_tinygemm", "int4_a8"):
         return False  # nothing to configure
     if dtype == "int4":  # a thread's share of a tile: 1 to 16 words of eight weights
         return cfg.block_k >= INT4_GROUP and 1 <= cfg.block_n * cfg.block_k // (256 * cfg.num_warps) <= 16
@@ -145,7 +149,7 @@ class Layer:
         return sorted(times)[len(times) // 2]
 
     def shipped_config(self, gated: bool = False) -> GemvConfig:
-        if self.dtype == "int4":
+        if self.dtype.startswith("int4"):
             return int4_gemv_config(self.n, self.k, gated)
         rule = gated_gemv_config if gated else gemv_config
         return rule(self.n, self.k, self.x.shape[0], WEIGHT_DTYPES[self.dtype])
@@ -164,7 +168,7 @@ class Layer:
             residual = torch.randn(1, self.n, device="cuda", dtype=torch.bfloat16)
             return {"gemv_residual_us": self.per_launch_us(lambda w: run(self.x, w, shipped, residual=residual))}
         norm = (torch.rand(self.k, device="cuda").add_(0.5).to(torch.bfloat16), 1e-5)
-        if self.dtype == "int4":
+        if self.dtype.startswith("int4"):
             fused = int4_gemv_config(self.n, self.k, gated, normed=True)
         else:
             fused = normed_gemv_config(self.n, self.k, WEIGHT_DTYPES[self.dtype], gated)
@@ -232,7 +236,7 @@ def main() -> None:
                "max_rel_err": layer.check()}
         row["baseline_us"] = cublas_us(n, k, m)
         row["gemv_us"] = layer.per_launch_us(layer.gemv_call(None))
-        shipped = None if dtype == "int4_tinygemm" else layer.shipped_config()  # tinygemm takes none
+        shipped = None if dtype in ("int4_tinygemm", "int4_a8") else layer.shipped_config()  # these take none
         row["gemv_config"] = vars(shipped) if shipped else None
         if grid and any(takes(dtype, c) for c in grid):
             timed = sorted(((layer.per_launch_us(layer.gemv_call(c)), c) for c in grid if takes(dtype, c)),

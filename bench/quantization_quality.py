@@ -7,7 +7,9 @@ For each prompt (ShareGPT first turns from ../shared/data/prompts_sample.jsonl t
 tokenizer; seeded random token ids for a model without one), one teacher-forced pass gives the logits
 at every position. Reported per mode: perplexity of the prompt tokens, and top-1 agreement: the share
 of positions whose argmax equals the unquantized model's. Modes: int8 / int4 / fp8 weights (KV in
-the model dtype) and fp8 / int8 KV cache (weights in the model dtype). The model is loaded once in
+the model dtype), int4_a8 (int4 weights with each linear's input rounded to int8 in runs of
+kernels/gemv_int4_a8.py's RUN values, as batch-1 decode on CUDA computes it) and fp8 / int8 KV cache
+(weights in the model dtype). The model is loaded once in
 float32 and each mode quantizes a copy of it, exactly as the engine does at start. With a quantized KV
 cache the attention of every position reads the keys and values back from the quantized pages, as
 decode does.
@@ -16,6 +18,7 @@ decode does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -33,9 +36,10 @@ from engine import LLM
 from engine.models.attention_metadata import AttentionMetadata
 from engine.quantization import kv_cache_torch_dtype, quantize_model_
 from engine.quantization.kv_cache import calibrate_kv_cache_
+from kernels import gemv_int4_a8, reference
 from kernels.kv_layout import new_kv_cache
 
-WEIGHT_MODES = ("int8", "int4", "fp8")
+WEIGHT_MODES = ("int8", "int4", "int4_a8", "fp8")
 KV_MODES = ("kv_fp8", "kv_int8")
 ALL_MODES = WEIGHT_MODES + KV_MODES
 BLOCK_SIZE = 16
@@ -113,11 +117,29 @@ def prepare_mode(model: torch.nn.Module, mode: str, tokenizer) -> tuple[torch.nn
     dtype = model.norm.dtype
     if mode in WEIGHT_MODES:
         quantized = copy.deepcopy(model)
-        quantize_model_(quantized, mode)
+        quantize_model_(quantized, mode.removesuffix("_a8"))
         return quantized, dtype
     kv = mode.removeprefix("kv_")
     calibrate_kv_cache_(model, kv, tokenizer, BLOCK_SIZE)
     return model, kv_cache_torch_dtype(kv, dtype)
+
+
+@contextlib.contextmanager
+def int8_activations(run: int):
+    """Every int4 linear on the CPU path takes its input rounded to int8 in runs of `run` values (the values the
+    DP4A GEMV multiplies), for the duration."""
+    plain = reference.int4_linear
+
+    def rounded_input(x, qweight, scales, zeros, group_size, bias):
+        q, run_scales = reference.quantize_activations_int8(x.float(), run)
+        x_q = (q.view(*x.shape[:-1], -1, run) * run_scales.unsqueeze(-1)).view(x.shape).to(x.dtype)
+        return plain(x_q, qweight, scales, zeros, group_size, bias)
+
+    reference.int4_linear = rounded_input
+    try:
+        yield
+    finally:
+        reference.int4_linear = plain
 
 
 def reset_kv_scales(model: torch.nn.Module) -> None:
@@ -162,7 +184,8 @@ def evaluate_model(source: str, modes: tuple[str, ...], num_prompts: int, max_to
     for mode in modes:
         started = time.perf_counter()
         quantized, kv_dtype = prepare_mode(model, mode, tokenizer)
-        scored, _ = score(quantized, prompts, kv_dtype, base_top1)
+        with int8_activations(gemv_int4_a8.RUN) if mode == "int4_a8" else contextlib.nullcontext():
+            scored, _ = score(quantized, prompts, kv_dtype, base_top1)
         reset_kv_scales(model)
         result["modes"][mode] = {
             "perplexity": round(scored.perplexity, 4),

@@ -2,12 +2,14 @@
 W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], q packed eight to an int32 along K
 (qweight [N, K/8], nibble i of word j is column 8j + i; see kernels/reference.py).
 
-One bf16 row runs kernels/gemv_int4.py. Up to GEMV_MAX_M rows of any float dtype run the float32 GEMV here,
-which turns nibbles into floats without an int-to-float conversion: the nibble is OR-ed into the top mantissa
-bits of 16.0, giving the float 16 + q exactly, and per word scale and zero point apply once:
-sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z) sum_i x_i). Wide layers (gate_up) at up to 64
-rows run a tensor-core GEMM; other shapes and more rows dequantize the weight in one pass and call cuBLAS, which on
-an H200 beat both that GEMM and tinygemm from 17 rows on the other layers (BENCHMARKS.md)."""
+One bf16 row on CUDA runs kernels/gemv_int4_a8.py (activations rounded to int8 in runs of 16, DP4A), or
+kernels/gemv_int4.py (half precision) where that kernel cannot take the tensors or TOLLGATE_INT4_A8=0. Up to
+GEMV_MAX_M rows of any float dtype run the float32 GEMV here, which turns nibbles into floats without an
+int-to-float conversion: the nibble is OR-ed into the top mantissa bits of 16.0, giving the float 16 + q exactly,
+and per word scale and zero point apply once: sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z)
+sum_i x_i). Wide layers (gate_up) at up to 64 rows run a tensor-core GEMM; other shapes and more rows dequantize the
+weight in one pass and call cuBLAS, which on an H200 beat both that GEMM and tinygemm from 17 rows on the other
+layers (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gemv_int4_a8
 from kernels.activation import silu_and_mul
 from kernels.gemv_configs import int4_gemv_config
 from kernels.gemv_int4 import gemv_int4, gemv_int4_takes
@@ -212,6 +215,7 @@ def int4_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype: one bf16 row through
+    kernels/gemv_int4_a8.py where it takes the tensors and no gemv config is given, else through
     kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
     float32 GEMV (autotuned on CUDA per (N, K) without a config), up to max_gemm_m (default: GEMM_MAX_ROWS on
     layers of GEMM_MIN_N outputs or more, else none) through the tensor-core GEMM, more through dequantize + cuBLAS.
@@ -219,6 +223,10 @@ def int4_linear(
     norm = (weight [K], eps): of rms_norm(x, *norm); residual [..., N]: added to the outputs (both fused in the
     one-row GEMV, separate kernels elsewhere)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
+    if (x.numel() == k and max_gemv_m and gemv is None
+            and gemv_int4_a8.takes(x, qweight, scales, zeros, group_size, bias, gated, norm, residual)):
+        return gemv_int4_a8.gemv_int4_a8(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
+                                         residual=residual)
     if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16
             and gemv_int4_takes(qweight, scales, zeros, group_size)
             and (norm is None or norm[0].dtype == torch.bfloat16)):

@@ -23,12 +23,15 @@ def test_quantization_speed(tmp_path, monkeypatch) -> None:
 
 def test_quantization_quality(tmp_path) -> None:
     path = tmp_path / "q.json"
-    result = quantization_quality.main(["--models", "random:llama-tiny", "--modes", "int8", "kv_fp8",
-                                        "--num-prompts", "2", "--max-tokens", "16", "--json", str(path)])
+    plain_int4 = quantization_quality.reference.int4_linear
+    result = quantization_quality.main(["--models", "random:llama-tiny", "--modes", "int8", "int4", "int4_a8",
+                                        "kv_fp8", "--num-prompts", "2", "--max-tokens", "16", "--json", str(path)])
     assert json.loads(path.read_text()) == result
     tiny = result["models"]["random:llama-tiny"]
-    assert tiny["positions"] == 30 and set(tiny["modes"]) == {"int8", "kv_fp8"}
+    assert tiny["positions"] == 30 and set(tiny["modes"]) == {"int8", "int4", "int4_a8", "kv_fp8"}
     assert all(0.0 <= row["top1_agreement"] <= 1.0 and row["perplexity"] > 1.0 for row in tiny["modes"].values())
+    assert tiny["modes"]["int4_a8"]["perplexity"] != tiny["modes"]["int4"]["perplexity"]  # the inputs were rounded
+    assert quantization_quality.reference.int4_linear is plain_int4  # and the CPU path restored
 
 
 def test_int4_batched_decode(tmp_path) -> None:

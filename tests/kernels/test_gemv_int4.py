@@ -99,10 +99,13 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 409
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
-def test_int4_linear_gpu_one_row_in_graph(n: int, k: int) -> None:
-    """kernels.int4_linear at Llama-3-8B's shapes (whole and TP = 2 halves): one bf16 row runs this GEMV with the
-    shipped configuration, captured in a CUDA graph and replayed on new activations; gated too."""
+def test_int4_linear_gpu_one_row_in_graph(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.int4_linear at Llama-3-8B's shapes (whole and TP = 2 halves) with TOLLGATE_INT4_A8=0 (else one row
+    runs kernels/gemv_int4_a8.py, tests/kernels/test_gemv_int4_a8.py): one bf16 row runs this GEMV with the shipped
+    configuration, captured in a CUDA graph and replayed on new activations; gated too."""
     import kernels
+
+    monkeypatch.setenv("TOLLGATE_INT4_A8", "0")
 
     q, s, z = random_int4(n, k, 128, torch.device("cuda"))
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -1,0 +1,311 @@
+"""Batch-1 decode GEMV for int4 weights (kernels/int4_matmul.py's layout) with the activations rounded to int8: CUDA
+C++ compiled at first use by NVRTC (`torch.cuda._compile_kernel`), so no CUDA toolkit is needed beyond PyTorch's.
+
+The half-precision GEMV (kernels/gemv_int4.py) spends ~13 instructions on each word of eight nibbles. Here each
+thread takes 32 consecutive activations at a time and rounds each run of RUN = 16 of them to int8 against the run's
+absolute maximum (scale = max |x| / 127); a word then costs two masks and two DP4A: the nibbles of even and odd
+positions, as bytes, dotted with the matching activation bytes into an exact int32. Scale and zero point apply once
+per run: s * x_scale * (sum q x_q - z * sum x_q). On an H200 a Llama-3-8B decode step in int4 runs ~10-13% faster
+than with the half-precision GEMV (BENCHMARKS.md).
+
+What rounding the activations costs (`python -m bench.quantization_quality --modes int4 int4_a8`): SmolLM2-135M's
+int4 perplexity 43.18 -> 43.34 with runs of 16 (+0.35%; runs of 32: +0.69%, runs of 8: +0.22%; top-1 agreement
+with the unquantized model 65.1% -> 64.9%), and on random layers ~0.4-0.5% of the output against
+dequantize-then-matmul in float32 where a run holds an outlier channel 15x its neighbours. A run holding an outlier
+rounds its other values coarsely; shorter runs confine that to fewer neighbours.
+
+A block of THREADS threads owns ROWS weight rows and walks K in 16-byte chunks (32 weights), each thread issuing
+its rows' loads before any arithmetic. The fusions of kernels/gemv_rows.py are here too: NORM multiplies x by the
+norm's weight before rounding it and scales the outputs by 1 / rms(x); RESIDUAL adds the residual row; GATED reads
+ROWS / 2 gate rows and the matching up rows and writes silu(gate) * up (gate and up rounded to bf16 first).
+
+On by default; TOLLGATE_INT4_A8=0 keeps every int4 GEMV on the half-precision kernel (bf16 activations)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+ROWS = 8  # weight rows a block owns: the best of 4 / 8 / 16 / 32 at every Llama-3-8B shape on an H200
+CHUNK = 32  # weights a thread reads per row at a time (16 bytes)
+RUN = 16  # activations rounded against one scale: 8, 16 or 32
+
+_SOURCE = r"""
+#define RUN_WORDS (RUN / 8)
+struct __align__(16) u32x4 { unsigned a, b, c, d; };
+
+__device__ __forceinline__ u32x4 load_weights(const u32x4* p) {
+  u32x4 v;  // volatile: issued where written, all of a thread's rows before any arithmetic
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int dp4a(unsigned a, unsigned b, int c) {
+  int d;
+  asm volatile("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned short to_bf16(float f) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float from_bf16(unsigned short h) { return __int_as_float((unsigned)h << 16); }
+__device__ __forceinline__ void unpack_bf16(u32x4 v, float* f) {
+  f[0] = __int_as_float(v.a << 16); f[1] = __int_as_float(v.a & 0xFFFF0000u);
+  f[2] = __int_as_float(v.b << 16); f[3] = __int_as_float(v.b & 0xFFFF0000u);
+  f[4] = __int_as_float(v.c << 16); f[5] = __int_as_float(v.c & 0xFFFF0000u);
+  f[6] = __int_as_float(v.d << 16); f[7] = __int_as_float(v.d & 0xFFFF0000u);
+}
+__device__ __forceinline__ long weight_row(int r) {
+#if GATED
+  const long channel = (long)blockIdx.x * (ROWS / 2) + r % (ROWS / 2);
+  return r < ROWS / 2 ? channel : channel + gridDim.x * (ROWS / 2);
+#else
+  return (long)blockIdx.x * ROWS + r;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
+    const u32x4* __restrict__ x, const u32x4* __restrict__ qweight, const float* __restrict__ scales,
+    const unsigned char* __restrict__ zeros, const unsigned short* __restrict__ bias,
+    const u32x4* __restrict__ norm_weight, const unsigned short* __restrict__ residual,
+    unsigned short* __restrict__ out, int K, double eps) {
+  __shared__ float partial[THREADS / 32][ROWS + 1];
+  __shared__ float result[ROWS];
+  const int chunks = K / 32, groups = K / GROUP;
+  const long m = blockIdx.y;
+  const int channels = GATED ? gridDim.x * (ROWS / 2) : gridDim.x * ROWS;
+  const u32x4* x_row = x + m * (K / 8);
+  float acc[ROWS], squares = 0.f;
+#pragma unroll
+  for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += THREADS) {
+    u32x4 w[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) w[r] = load_weights(qweight + weight_row(r) * chunks + c);
+    float s[ROWS];
+    int z[ROWS];
+    const int g = c * 32 / GROUP;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      s[r] = scales[weight_row(r) * groups + g];
+      z[r] = zeros[weight_row(r) * groups + g];
+    }
+    float f[32];
+#pragma unroll
+    for (int j = 0; j < 4; j++) unpack_bf16(x_row[4 * c + j], f + 8 * j);
+#if NORM
+    float nw[32];
+#pragma unroll
+    for (int j = 0; j < 4; j++) unpack_bf16(norm_weight[4 * c + j], nw + 8 * j);
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+      squares = fmaf(f[i], f[i], squares);
+      f[i] *= nw[i];
+    }
+#endif
+    // RUN consecutive activations share a scale: each run rounded to int8 against its own absolute maximum.
+    // Word j of a row holds weights 8j..8j+7, nibble i at bits 4i: its even nibbles (masked) and odd ones (shifted)
+    // are bytes lining up with activations 8j, 8j+2, 8j+4, 8j+6 and 8j+1, ..., 8j+7.
+    float x_scale[4 / RUN_WORDS];
+    int x_sum[4 / RUN_WORDS];
+    unsigned xq[8];
+#pragma unroll
+    for (int t = 0; t < 4 / RUN_WORDS; t++) {
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < RUN; i++) amax = fmaxf(amax, fabsf(f[RUN * t + i]));
+      amax = fmaxf(amax, 1e-30f);
+      const float inv = 127.f / amax;
+      x_scale[t] = amax / 127.f;
+      x_sum[t] = 0;
+#pragma unroll
+      for (int j = t * RUN_WORDS; j < (t + 1) * RUN_WORDS; j++) {
+        unsigned even = 0, odd = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+          even |= ((unsigned)__float2int_rn(f[8 * j + 2 * b] * inv) & 0xFFu) << (8 * b);
+          odd |= ((unsigned)__float2int_rn(f[8 * j + 2 * b + 1] * inv) & 0xFFu) << (8 * b);
+        }
+        xq[2 * j] = even;
+        xq[2 * j + 1] = odd;
+        x_sum[t] = dp4a(0x01010101u, even, dp4a(0x01010101u, odd, x_sum[t]));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      const unsigned words[4] = {w[r].a, w[r].b, w[r].c, w[r].d};
+      float chunk = 0.f;
+#pragma unroll
+      for (int t = 0; t < 4 / RUN_WORDS; t++) {
+        int d = 0;
+#pragma unroll
+        for (int j = t * RUN_WORDS; j < (t + 1) * RUN_WORDS; j++) {
+          d = dp4a(words[j] & 0x0F0F0F0Fu, xq[2 * j], d);
+          d = dp4a((words[j] >> 4) & 0x0F0F0F0Fu, xq[2 * j + 1], d);
+        }
+        chunk = fmaf(x_scale[t], (float)(d - z[r] * x_sum[t]), chunk);
+      }
+      acc[r] = fmaf(s[r], chunk, acc[r]);
+    }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int r = 0; r <= ROWS; r++) {
+    float v = r < ROWS ? acc[r] : squares;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) partial[warp][r] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < THREADS / 32; i++) t += partial[i][threadIdx.x];
+#if NORM
+    float sum_squares = 0.f;
+#pragma unroll
+    for (int i = 0; i < THREADS / 32; i++) sum_squares += partial[i][ROWS];
+    t *= rsqrtf(sum_squares / K + (float)eps);
+#endif
+#if HAS_BIAS
+    t += from_bf16(bias[weight_row(threadIdx.x)]);
+#endif
+    result[threadIdx.x] = t;
+  }
+  __syncthreads();
+#if GATED
+  if (threadIdx.x < ROWS / 2) {
+    const float gate = from_bf16(to_bf16(result[threadIdx.x]));
+    const float up = from_bf16(to_bf16(result[threadIdx.x + ROWS / 2]));
+    out[m * channels + weight_row(threadIdx.x)] = to_bf16(gate / (1.f + expf(-gate)) * up);
+  }
+#else
+  if (threadIdx.x < ROWS) {
+    const long channel = m * channels + weight_row(threadIdx.x);
+    float t = result[threadIdx.x];
+#if RESIDUAL
+    t += from_bf16(residual[channel]);
+#endif
+    out[channel] = to_bf16(t);
+  }
+#endif
+}
+"""
+
+
+def enabled() -> bool:
+    """Whether int4 GEMVs may take this kernel: TOLLGATE_INT4_A8 is not 0 and PyTorch's NVRTC wrapper exists."""
+    return os.environ.get("TOLLGATE_INT4_A8") != "0" and hasattr(torch.cuda, "_compile_kernel")
+
+
+def threads_for(rows: int, k: int) -> int:
+    """Threads a block: 64 on layers of many rows (qkv, gate_up) and on short K, 128 otherwise (o_proj, down)."""
+    return 64 if rows > 4096 or k // CHUNK <= 64 else 128
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int, threads: int, group: int, run: int, norm: bool, residual: bool, gated: bool, bias: bool):
+    defines = {"ROWS": ROWS, "THREADS": threads, "GROUP": group, "RUN": run, "NORM": int(norm),
+               "RESIDUAL": int(residual), "GATED": int(gated), "HAS_BIAS": int(bias)}
+    source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
+    with torch.cuda.device(device):
+        return torch.cuda._compile_kernel(source, "gemv_int4_a8")
+
+
+@functools.lru_cache(maxsize=None)
+def compiles(device: int) -> bool:
+    """Whether the kernel compiles and loads on this device (once per process; a failure is logged and the
+    half-precision GEMV runs instead)."""
+    try:
+        _kernel(device, 64, 128, RUN, False, False, False, False)
+    except Exception as exc:  # NVRTC missing or refusing: the caller falls back
+        logging.getLogger(__name__).warning("int4 GEMV with int8 activations unavailable (%s); using the half-"
+                                            "precision GEMV", exc)
+        return False
+    return True
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def problem(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None, gated: bool, norm: tuple[torch.Tensor, float] | None,
+            residual: torch.Tensor | None) -> str | None:
+    """Why this kernel cannot take these tensors as they are, or None."""
+    if qweight.dim() != 2 or qweight.dtype != torch.int32 or not qweight.is_contiguous() or not _aligned(qweight):
+        return f"qweight: a contiguous, 16-byte aligned int32 [N, K/8] expected, got {qweight.dtype} {tuple(qweight.shape)}"
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if group_size <= 0 or group_size % CHUNK or k % group_size:
+        return f"group_size: a multiple of {CHUNK} dividing K = {k} expected, got {group_size}"
+    groups = k // group_size
+    for name, t, dtype in (("scales", scales, torch.float32), ("zeros", zeros, torch.uint8)):
+        if t.shape != (n, groups) or t.dtype != dtype or not t.is_contiguous():
+            return f"{name}: contiguous {dtype} [{n}, {groups}] expected, got {t.dtype} {tuple(t.shape)}"
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k or not x.is_contiguous() or not _aligned(x):
+        return f"x: contiguous, 16-byte aligned bfloat16 [..., {k}] expected, got {x.dtype} {tuple(x.shape)}"
+    channels = n // 2 if gated else n
+    if (channels % (ROWS // 2) if gated else n % ROWS) or (gated and n % 2):
+        return f"qweight: {'an even number of rows, half of them' if gated else 'rows'} a multiple of " \
+               f"{ROWS // 2 if gated else ROWS} expected, got {n}"
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return f"bias: contiguous bfloat16 [{n}] expected, got {bias.dtype} {tuple(bias.shape)}"
+    if norm is not None:
+        weight = norm[0]
+        if weight.shape != (k,) or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or not _aligned(weight):
+            return f"norm: a contiguous, 16-byte aligned bfloat16 weight [{k}] expected, got " \
+                   f"{weight.dtype} {tuple(weight.shape)}"
+    if residual is not None:
+        if gated:
+            return "residual: a gated GEMV takes no residual"
+        rows = x.numel() // k
+        if residual.dtype != torch.bfloat16 or residual.numel() != rows * n or residual.shape[-1] != n \
+                or not residual.is_contiguous():
+            return f"residual: contiguous bfloat16 [{rows}, {n}] expected, got {residual.dtype} " \
+                   f"{tuple(residual.shape)}"
+    return None
+
+
+def takes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+          bias: torch.Tensor | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+          residual: torch.Tensor | None = None) -> bool:
+    """Whether gemv_int4_a8 runs this call: CUDA tensors it reads as they are, on a device where it compiled."""
+    if not (x.is_cuda and enabled()) or problem(x, qweight, scales, zeros, group_size, bias, gated, norm, residual):
+        return False
+    return compiles(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def gemv_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None, *, gated: bool = False,
+                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """bf16 rows x [..., K] @ dequantized(qweight [N, K/8], scales [N, K/G], zeros [N, K/G])^T + bias -> [..., N],
+    x rounded to int8 per RUN values (kernels/reference.py `int4_linear_a8` computes the same); gated: silu of the
+    first N / 2 outputs times the last N / 2; norm = (bf16 weight [K], eps): of rms_norm(x, weight, eps);
+    residual [..., N]: added to the outputs."""
+    reason = problem(x, qweight, scales, zeros, group_size, bias, gated, norm, residual)
+    if reason:
+        raise ValueError(f"gemv_int4_a8: {reason}")
+    if not x.is_cuda:
+        raise ValueError(f"gemv_int4_a8: CUDA tensors expected, got x on {x.device}")
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    rows = x.numel() // k
+    channels = n // 2 if gated else n
+    out = torch.empty(*x.shape[:-1], channels, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    threads = threads_for(n, k)
+    kernel = _kernel(device, threads, group_size, RUN, norm is not None, residual is not None, gated, bias is not None)
+    placeholder = scales
+    grid = (channels // (ROWS // 2) if gated else n // ROWS, rows, 1)
+    kernel(grid=grid, block=(threads, 1, 1),
+           args=[x, qweight, scales, zeros, bias if bias is not None else placeholder,
+                 norm[0] if norm is not None else placeholder, residual if residual is not None else placeholder,
+                 out, k, float(norm[1]) if norm is not None else 0.0])
+    return out
