@@ -131,8 +131,9 @@ def test_kernel_matches_reference(m: int, n: int, k: int, group_size: int, fusio
 @pytest.mark.parametrize(("n", "k", "gated"), LLAMA_8B)
 def test_llama_shapes_through_int4_linear_in_a_graph(n: int, k: int, gated: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.int4_linear at one row takes this kernel (with the norm, and the residual where not gated), captured
-    in a CUDA graph and replayed on new rows; the half-precision GEMV agrees to the int8 rounding."""
+    """kernels.int4_linear at one row takes this kernel (with the norm, and the residual where not gated; gated, the
+    norm runs as its own kernel first), captured in a CUDA graph and replayed on new rows; the half-precision GEMV
+    agrees to the int8 rounding."""
     import kernels
 
     monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
@@ -148,7 +149,12 @@ def test_llama_shapes_through_int4_linear_in_a_graph(n: int, k: int, gated: bool
         out = kernels.int4_linear(x, q, s, z, 128, None, gated=gated, norm=norm, residual=residual)
     x.copy_(residual_stream(1, k, device))
     graph.replay()
-    assert_matches_reference(out, expected(x, q, s, z, 128, None, gated, norm, residual))
+    if gated:  # the gated projection takes the norm kernel's output (kernels/int4_matmul.py); silu(gate) * up
+        # scales the float32 sums' error (~1e-3 of a run's terms) by the other factor, so compare as a whole
+        want = expected(kernels.rms_norm(x, *norm), q, s, z, 128, None, gated, None, None)
+        assert rel_err(out, want) < 5e-3
+    else:
+        assert_matches_reference(out, expected(x, q, s, z, 128, None, gated, norm, residual))
     from kernels.int4_matmul import int4_linear
     from kernels.gemv_configs import int4_gemv_config
 
