@@ -382,10 +382,10 @@ def int4_linear(
     return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
 
 
-def quantize_activations_int8(x: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (float32) -> (the int8 values as floats [..., K], scales [..., K / chunk]): each run of chunk values
-    rounded (half to even) against 127 / its absolute maximum, as kernels/gemv_int4_a8.py does."""
-    runs = x.reshape(*x.shape[:-1], x.shape[-1] // chunk, chunk)
+def quantize_activations_int8(x: torch.Tensor, run: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (float32) -> (the int8 values as floats [..., K], scales [..., K / run]): each run of consecutive
+    values rounded (half to even) against 127 / its absolute maximum, as kernels/gemv_int4_a8.py does."""
+    runs = x.reshape(*x.shape[:-1], x.shape[-1] // run, run)
     amax = runs.abs().amax(-1).clamp_min(1e-30)
     q = torch.round(runs * (127 / amax).unsqueeze(-1))
     return q.reshape(x.shape), amax / 127
@@ -393,19 +393,19 @@ def quantize_activations_int8(x: torch.Tensor, chunk: int = 32) -> tuple[torch.T
 
 def int4_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                    bias: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None = None,
-                   chunk: int = 32) -> torch.Tensor:
+                   run: int = 16) -> torch.Tensor:
     """What kernels/gemv_int4_a8.py computes, in float64 from the same int8 activations: x (times the norm's weight)
-    rounded to int8 per chunk, exact integer dot products with q - zero per chunk, scaled by the weight's group scale
-    and the chunk's scale, then 1 / rms(x) (norm) and the bias -> float32 [..., N]."""
+    rounded to int8 per run of values, exact integer dot products with q - zero per run, scaled by the weight's group
+    scale and the run's scale, then 1 / rms(x) (norm) and the bias -> float32 [..., N]."""
     k = x.shape[-1]
     values = x.float() if norm is None else x.float() * norm[0].float()
-    q, x_scales = quantize_activations_int8(values.reshape(-1, k), chunk)
+    q, x_scales = quantize_activations_int8(values.reshape(-1, k), run)
     n = qweight.shape[0]
     w = (unpack_int4(qweight).double().view(n, k // group_size, group_size)
-         - zeros.double().unsqueeze(-1)).view(n, k // chunk, chunk)
-    dots = torch.einsum("mcj,ncj->mnc", q.double().view(-1, k // chunk, chunk), w)
-    chunk_scales = scales.double().repeat_interleave(group_size // chunk, dim=1)
-    out = (dots * chunk_scales.unsqueeze(0) * x_scales.double().unsqueeze(1)).sum(-1)
+         - zeros.double().unsqueeze(-1)).view(n, k // run, run)
+    dots = torch.einsum("mcj,ncj->mnc", q.double().view(-1, k // run, run), w)
+    run_scales = scales.double().repeat_interleave(group_size // run, dim=1)
+    out = (dots * run_scales.unsqueeze(0) * x_scales.double().unsqueeze(1)).sum(-1)
     if norm is not None:
         out = out * torch.rsqrt(x.double().reshape(-1, k).pow(2).mean(-1, keepdim=True) + norm[1])
     if bias is not None:

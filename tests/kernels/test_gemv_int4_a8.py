@@ -15,15 +15,15 @@ from tests.kernels.test_quant_linear import random_int4
 LLAMA_8B = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)]
 
 
-def test_activations_round_to_int8_per_32_values() -> None:
+def test_activations_round_to_int8_per_run() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 256) * torch.rand(3, 256) * 40
-    q, scales = reference.quantize_activations_int8(x)
+    q, scales = reference.quantize_activations_int8(x, 32)
     runs = x.view(3, 8, 32)
     assert q.abs().max() <= 127 and torch.equal(q, q.round())
     assert torch.equal(q.view(3, 8, 32).abs().amax(-1), torch.full((3, 8), 127.0))  # each run's largest hits 127
     assert ((q.view(3, 8, 32) * scales.unsqueeze(-1) - runs).abs() <= scales.unsqueeze(-1) / 2 * 1.0001).all()
-    zero_q, _ = reference.quantize_activations_int8(torch.zeros(1, 64))
+    zero_q, _ = reference.quantize_activations_int8(torch.zeros(1, 64), 16)
     assert torch.equal(zero_q, torch.zeros(1, 64))
 
 
@@ -37,11 +37,11 @@ def test_reference_is_close_to_dequantize_then_matmul(norm: bool) -> None:
     weight = reference.dequantize_int4(q, s, z, 128, torch.float32)
     norm_args = ((torch.rand(k) + 0.5).to(torch.bfloat16), EPS) if norm else None
     want = F.linear(normed(x, norm_args[0]) if norm else x.float(), weight, bias.float())
-    got = reference.int4_linear_a8(x, q, s, z, 128, bias, norm=norm_args)
+    got = reference.int4_linear_a8(x, q, s, z, 128, bias, norm=norm_args, run=32)
     assert got.shape == (3, n) and got.dtype == torch.float32
     assert rel_err(got, want) < 2e-2  # ~1.2% in runs of 32: the run holding channel 3 (300) rounds coarsely
     plain = torch.randn(3, k).to(torch.bfloat16)  # no outlier: ~0.5%
-    assert rel_err(reference.int4_linear_a8(plain, q, s, z, 128, None), F.linear(plain.float(), weight)) < 1e-2
+    assert rel_err(reference.int4_linear_a8(plain, q, s, z, 128, None, run=32), F.linear(plain.float(), weight)) < 1e-2
 
 
 def test_bad_arguments_are_named() -> None:
@@ -81,7 +81,7 @@ def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def expected(x, q, s, z, group_size, bias, gated, norm, residual) -> torch.Tensor:
     """The kernel's result from the reference: gate and up rounded to bf16 before the SiLU, as the kernel does."""
-    out = reference.int4_linear_a8(x, q, s, z, group_size, bias, norm=norm, chunk=gemv_int4_a8.RUN)
+    out = reference.int4_linear_a8(x, q, s, z, group_size, bias, norm=norm, run=gemv_int4_a8.RUN)
     if gated:
         half = out.shape[-1] // 2
         gate, up = out[..., :half].bfloat16().float(), out[..., half:].bfloat16().float()
