@@ -60,6 +60,8 @@ if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   step fused_norm_tp2 40 "$PY" -m bench.fused_norm_latency --json "$RESULTS/fused_norm_tp2.json"
   step decode_8b_tp2_int8 90 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda \
     --tensor-parallel-size 2 --quantization int8 --repeats 2 --json "$RESULTS/decode_8b_tp2_int8.json"
+  step decode_8b_tp2_int4 80 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda \
+    --tensor-parallel-size 2 --quantization int4 --repeats 2 --json "$RESULTS/decode_8b_tp2_int4.json"
   step throughput_1b_tp2 100 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 256 \
     "${WORKLOAD[@]}" --max-model-len 4096 --tensor-parallel-size 2 --json "$RESULTS/throughput_1b_tp2.json"
 fi

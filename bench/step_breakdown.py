@@ -1,7 +1,7 @@
 """Where a decode step's time goes: scheduling, input preparation, the forward pass (GPU), sampling and
 output handling, each timed with the device synchronised at its end.
 
-    python -m bench.step_breakdown --model random:llama-8b --device cuda --batch 1 [--json FILE]
+    python -m bench.step_breakdown --model random:llama-8b --device cuda --batch 1 [--quantization int4] [--json FILE]
 
 Synchronising between phases removes any overlap, so the phases add up to a bit more than a normal
 step; the point is the share of host work next to the GPU's.
@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", choices=("int8", "int4", "fp8"), help="weights quantized on the fly")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS more steps with torch.profiler and print the busiest ops")
     p.add_argument("--json", metavar="FILE")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     # synchronous steps: the timers below wait for the GPU around each phase, which async scheduling would hide
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, async_scheduling=False)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, async_scheduling=False)
     engine = llm.engine
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = defaultdict(list)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ms = {name: round(statistics.median(v) * 1e3, 3) for name, v in times.items()}
     step_ms = statistics.median(step_times) * 1e3
     ms["other"] = round(step_ms - sum(ms.values()), 3)
-    result = {"model": args.model, "device": args.device, "batch": args.batch,
+    result = {"model": args.model, "quantization": args.quantization, "device": args.device, "batch": args.batch,
               "tensor_parallel_size": args.tensor_parallel_size, "step_ms": round(step_ms, 3), "phase_ms": ms}
     emit(result, args.json)
     llm.close()

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, wait_for_earlier_kernels
+from kernels.pdl import launch_options, let_later_kernels_launch, wait_for_earlier_kernels
 
 
 @triton.jit
@@ -34,6 +34,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -46,6 +47,7 @@ def _rms_norm_kernel(
         # The reference rounds the sum to the input dtype before normalising it.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(summed_ptr + row * stride_s + cols, x, mask=mask)
+    let_later_kernels_launch(EARLY)
     store_rms_normed(x, weight, out_ptr + row * stride_o, cols, mask, eps, N)
 
 
@@ -89,7 +91,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         num_warps=_num_warps(block),
-        **launch_options(x2),
+        **launch_options(x2, early=True),
     )
     return out, summed
 

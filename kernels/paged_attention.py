@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile
 from kernels.cache_ops import check_cache_inputs, quantize
-from kernels.pdl import launch_options, wait_for_earlier_kernels
+from kernels.pdl import launch_options, let_later_kernels_launch, wait_for_earlier_kernels
 from kernels.reference import check_kv_scales
 from kernels.rotary import check_rotary_inputs
 from kernels.rotary_tile import cos_sin_tile, rotated_tile
@@ -112,6 +112,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr = False,
     STORE_QUANT: tl.constexpr = 0,
     PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
     # KV heads vary fastest: the heads of one sequence run together and read neighbouring pages.
@@ -179,6 +180,7 @@ def _decode_split_kernel(
         o_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
     if KV_QUANT:
         acc = acc * v_scale
+    let_later_kernels_launch(EARLY)
     if SINGLE_SPLIT:
         out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         out_rows = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
@@ -204,6 +206,7 @@ def _decode_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -220,6 +223,7 @@ def _decode_reduce_kernel(
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     denom = tl.sum(l * weight, axis=0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    let_later_kernels_launch(EARLY)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
@@ -414,7 +418,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, confi
         STORE_QUANT=0 if new is None else new.quant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(q),
+        **launch_options(q, early=True),
     )
     if not single:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -430,6 +434,6 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, confi
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
-            **launch_options(q),
+            **launch_options(q, early=True),
         )
     return out

@@ -12,11 +12,11 @@ from tests.kernels.helpers import rel_err, tolerance
 
 pytest.importorskip("triton")
 import kernels  # noqa: E402
-from kernels import pdl, reference  # noqa: E402
+from kernels import cuda_launch, pdl, reference  # noqa: E402
 
 
 def test_pdl_is_off_for_cpu_tensors_and_the_interpreter(monkeypatch) -> None:
-    assert pdl.launch_options(torch.zeros(1)) == {}
+    assert pdl.launch_options(torch.zeros(1)) == {} == pdl.launch_options(torch.zeros(1), early=True)
     if torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {}
@@ -30,6 +30,16 @@ def test_pdl_follows_the_switch_and_the_device(monkeypatch) -> None:
     monkeypatch.delenv("TOLLGATE_PDL")
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.launch_options(x) == ({"PDL": True, "launch_pdl": True} if hopper else {})
+    assert pdl.launch_options(x, early=True) == ({"PDL": True, "EARLY": True, "launch_pdl": True} if hopper else {})
+
+
+def test_nvrtc_kernel_arguments_become_c_values() -> None:
+    t = torch.zeros(4)
+    assert cuda_launch._argument(t).value == t.data_ptr()
+    assert cuda_launch._argument(4096).value == 4096 and cuda_launch._argument(1e-5).value == 1e-5
+    for bad in (True, "x", None):
+        with pytest.raises(TypeError, match="kernel arguments"):
+            cuda_launch._argument(bad)
 
 
 def _layers(hidden: int, inter: int, count: int) -> list[dict[str, torch.Tensor]]:
@@ -96,3 +106,63 @@ def test_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch) -> None:
 
 REFERENCE_OPS = types.SimpleNamespace(add_rms_norm=reference.add_rms_norm, silu_and_mul=reference.silu_and_mul,
                                       int8_linear=reference.int8_linear, linear=F.linear)
+
+
+def _int4_layers(hidden: int, inter: int, count: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def int4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+        scales = (torch.rand(n, k // 128, device="cuda", generator=gen) + 0.5) / (8 * k**0.5)
+        zeros = torch.randint(0, 16, (n, k // 128), device="cuda", dtype=torch.uint8, generator=gen)
+        return reference.pack_int4(q), scales, zeros
+
+    return [{"norm": 1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen).to(torch.bfloat16),
+             "gate_up": int4(2 * inter, hidden), "down": int4(hidden, inter)} for _ in range(count)]
+
+
+def _int4_chain(x: torch.Tensor, layers: list[dict], ops) -> torch.Tensor:
+    """Residual MLP blocks as the int4 decoder runs them at batch 1: RMSNorm, the gated int4 gate_up GEMV, the int4
+    down GEMV adding the residual (on CUDA the int8-activation GEMV, launched through kernels/cuda_launch.py)."""
+    for layer in layers:
+        h = ops.int4_linear(ops.rms_norm(x, layer["norm"], 1e-5), *layer["gate_up"], 128, None, gated=True)
+        x = ops.int4_linear(h, *layer["down"], 128, None, residual=x)
+    return x
+
+
+@pytest.mark.gpu
+def test_dependent_launches_of_the_int4_chain_in_a_graph_equal_serial_launches(monkeypatch) -> None:
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    layers = _int4_layers(hidden=1024, inter=2816, count=16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    inputs = [torch.randn(1, 1024, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(20)]
+    x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def replayed() -> list[torch.Tensor]:
+        _int4_chain(x, layers, kernels)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _int4_chain(x, layers, kernels)
+        results = []
+        for new in inputs:
+            x.copy_(new)
+            graph.replay()
+            results.append(out.clone())
+        return results
+
+    monkeypatch.setenv("TOLLGATE_PDL", "1")
+    with_pdl = replayed()
+    monkeypatch.setenv("TOLLGATE_PDL", "0")
+    serial = replayed()
+    for a, b in zip(with_pdl, serial):
+        assert torch.equal(a, b)
+    reference_ops = types.SimpleNamespace(rms_norm=reference.rms_norm, int4_linear=_reference_int4_a8)
+    assert rel_err(with_pdl[-1], _int4_chain(inputs[-1], layers, reference_ops)) < 2e-2
+
+
+def _reference_int4_a8(x, qweight, scales, zeros, group_size, bias, *, gated=False, residual=None):
+    out = reference.int4_linear_a8(x.to(torch.bfloat16), qweight, scales, zeros, group_size, bias)
+    if residual is not None:
+        out = out + residual.float()
+    return (reference.silu_and_mul(out) if gated else out).to(torch.bfloat16)
