@@ -71,11 +71,12 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], ops) -> torch
     return ops.add_rms_norm(h, residual, layers[0]["norm"], 1e-5)[0]
 
 
-def _replayed(x: torch.Tensor, layers, new_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    _chain(x, layers, kernels)  # compiles outside the capture
+def _replayed(x: torch.Tensor, layers, new_inputs: list[torch.Tensor], chain=_chain) -> list[torch.Tensor]:
+    """chain(x, layers, kernels) captured in a CUDA graph, replayed once per new input copied into x."""
+    chain(x, layers, kernels)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(x, layers, kernels)
+        out = chain(x, layers, kernels)
     results = []
     for new in new_inputs:
         x.copy_(new)
@@ -138,23 +139,10 @@ def test_dependent_launches_of_the_int4_chain_in_a_graph_equal_serial_launches(m
     gen = torch.Generator(device="cuda").manual_seed(3)
     inputs = [torch.randn(1, 1024, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(20)]
     x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def replayed() -> list[torch.Tensor]:
-        _int4_chain(x, layers, kernels)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _int4_chain(x, layers, kernels)
-        results = []
-        for new in inputs:
-            x.copy_(new)
-            graph.replay()
-            results.append(out.clone())
-        return results
-
     monkeypatch.setenv("TOLLGATE_PDL", "1")
-    with_pdl = replayed()
+    with_pdl = _replayed(x, layers, inputs, _int4_chain)
     monkeypatch.setenv("TOLLGATE_PDL", "0")
-    serial = replayed()
+    serial = _replayed(x, layers, inputs, _int4_chain)
     for a, b in zip(with_pdl, serial):
         assert torch.equal(a, b)
     reference_ops = types.SimpleNamespace(rms_norm=reference.rms_norm, int4_linear=_reference_int4_a8)
