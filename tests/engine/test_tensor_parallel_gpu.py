@@ -62,9 +62,9 @@ def test_two_gpus_bfloat16_llama_1b_shape(tmp_path):
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_two_gpus_quantized_llama_1b_shape(quantization):
     """Quantized on the fly under TP = 2, each rank its own shard (a row-parallel shard gets scales of its own), at
-    batch-1 decode (the gated and word-decoding GEMVs, int4's with int8 activations, the int8 LM head): two GPUs stray from the unquantized logits
-    no further than one GPU does (fp8 alone moves a random model's logits by ~20%), step by step while the greedy
-    tokens of all three agree."""
+    batch-1 decode (the gated and word-decoding GEMVs, int4's with int8 activations, the int8 LM head): two GPUs
+    stray from the unquantized logits no further than one GPU does (fp8 alone moves a random model's logits by
+    ~20%), step by step while the greedy tokens of all three agree."""
     prompts = {"one": torch.randint(0, 10000, (64,), generator=torch.Generator().manual_seed(7)).tolist()}
     _, exact = _run("random:llama-1b", 1, "bfloat16", prompts)
     _, one = _run("random:llama-1b", 1, "bfloat16", prompts, quantization)
