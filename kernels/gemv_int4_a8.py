@@ -306,6 +306,14 @@ def gemv_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"gemv_int4_a8: {reason}")
     if not x.is_cuda:
         raise ValueError(f"gemv_int4_a8: CUDA tensors expected, got x on {x.device}")
+    return launch_taken(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm, residual=residual)
+
+
+def launch_taken(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None, *, gated: bool = False,
+                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """gemv_int4_a8 without its checks, for a call that `takes` has accepted (with the norm dropped, if at all)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     rows = x.numel() // k
     channels = n // 2 if gated else n

@@ -227,7 +227,7 @@ def int4_linear(
             and gemv_int4_a8.takes(x, qweight, scales, zeros, group_size, bias, gated, norm, residual)):
         if gated and norm is not None:  # at gate_up's width the norm kernel first is faster (BENCHMARKS.md)
             x, norm = rms_norm(x, *norm), None
-        return gemv_int4_a8.gemv_int4_a8(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
+        return gemv_int4_a8.launch_taken(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
                                          residual=residual)
     if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16
             and gemv_int4_takes(qweight, scales, zeros, group_size)
