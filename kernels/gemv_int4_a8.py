@@ -223,24 +223,26 @@ def threads_for(rows: int, k: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, threads: int, group: int, run: int, norm: bool, residual: bool, gated: bool, bias: bool):
+    """One variant compiled for the device on first use, or None where NVRTC refuses it (logged; `takes` then
+    declines and the half-precision GEMV runs)."""
     defines = {"ROWS": ROWS, "THREADS": threads, "GROUP": group, "RUN": run, "NORM": int(norm),
                "RESIDUAL": int(residual), "GATED": int(gated), "HAS_BIAS": int(bias)}
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
-    with torch.cuda.device(device):
-        return torch.cuda._compile_kernel(source, "gemv_int4_a8")
-
-
-@functools.lru_cache(maxsize=None)
-def compiles(device: int) -> bool:
-    """Whether the kernel compiles and loads on this device (once per process; a failure is logged and the
-    half-precision GEMV runs instead)."""
     try:
-        _kernel(device, 64, 128, RUN, False, False, False, False)
+        with torch.cuda.device(device):
+            return torch.cuda._compile_kernel(source, "gemv_int4_a8")
     except Exception as exc:  # NVRTC missing or refusing: the caller falls back
         logging.getLogger(__name__).warning("int4 GEMV with int8 activations unavailable (%s); using the half-"
                                             "precision GEMV", exc)
-        return False
-    return True
+        return None
+
+
+def _variant(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bias: torch.Tensor | None, gated: bool,
+             norm: tuple[torch.Tensor, float] | None, residual: torch.Tensor | None):
+    """_kernel's arguments for a call."""
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    threads = threads_for(qweight.shape[0], qweight.shape[1] * 8)
+    return device, threads, group_size, RUN, norm is not None, residual is not None, gated, bias is not None
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -287,10 +289,11 @@ def problem(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 def takes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
           bias: torch.Tensor | None = None, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
           residual: torch.Tensor | None = None) -> bool:
-    """Whether gemv_int4_a8 runs this call: CUDA tensors it reads as they are, on a device where it compiled."""
+    """Whether gemv_int4_a8 runs this call: CUDA tensors it reads as they are, on a device where its variant compiled
+    (compiled here on first use)."""
     if not (x.is_cuda and enabled()) or problem(x, qweight, scales, zeros, group_size, bias, gated, norm, residual):
         return False
-    return compiles(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _kernel(*_variant(x, qweight, group_size, bias, gated, norm, residual)) is not None
 
 
 def gemv_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -313,16 +316,18 @@ def launch_taken(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bias: torch.Tensor | None = None, *, gated: bool = False,
                  norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """gemv_int4_a8 without its checks, for a call that `takes` has accepted (with the norm dropped, if at all)."""
+    """gemv_int4_a8 without its checks, for a call that `takes` has accepted with the same arguments."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     rows = x.numel() // k
     channels = n // 2 if gated else n
     out = torch.empty(*x.shape[:-1], channels, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    threads = threads_for(n, k)
-    kernel = _kernel(device, threads, group_size, RUN, norm is not None, residual is not None, gated, bias is not None)
+    variant = _variant(x, qweight, group_size, bias, gated, norm, residual)
+    kernel = _kernel(*variant)
+    if kernel is None:
+        raise RuntimeError("gemv_int4_a8: the kernel did not compile on this device (see the warning logged)")
+    threads = variant[1]
     placeholder = scales
     grid = (channels // (ROWS // 2) if gated else n // ROWS, rows, 1)
     cuda_launch.launch(kernel, grid, (threads, 1, 1),

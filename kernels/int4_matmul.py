@@ -223,11 +223,12 @@ def int4_linear(
     norm = (weight [K], eps): of rms_norm(x, *norm); residual [..., N]: added to the outputs (both fused in the
     one-row GEMV, separate kernels elsewhere)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
+    a8_norm = None if gated else norm  # at gate_up's width the norm kernel first is faster (BENCHMARKS.md)
     if (x.numel() == k and max_gemv_m and gemv is None
-            and gemv_int4_a8.takes(x, qweight, scales, zeros, group_size, bias, gated, norm, residual)):
-        if gated and norm is not None:  # at gate_up's width the norm kernel first is faster (BENCHMARKS.md)
-            x, norm = rms_norm(x, *norm), None
-        return gemv_int4_a8.launch_taken(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
+            and gemv_int4_a8.takes(x, qweight, scales, zeros, group_size, bias, gated, a8_norm, residual)):
+        if norm is not a8_norm:
+            x = rms_norm(x, *norm)
+        return gemv_int4_a8.launch_taken(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=a8_norm,
                                          residual=residual)
     if (x.numel() == k and max_gemv_m and x.dtype == torch.bfloat16
             and gemv_int4_takes(qweight, scales, zeros, group_size)

@@ -3,6 +3,8 @@
 kernel against that reference (the same int8 activations, so to float32 rounding) and against dequantize-then-matmul,
 at random odd shapes and Llama-3-8B's, with every fusion, several rows and inside a CUDA graph."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,33 @@ def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemv_int4_a8.enabled() == hasattr(torch.cuda, "_compile_kernel")
     monkeypatch.setenv("TOLLGATE_INT4_A8", "0")
     assert not gemv_int4_a8.enabled()
+
+
+@pytest.mark.gpu
+def test_a_variant_nvrtc_refuses_leaves_the_call_to_the_half_precision_gemv(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    import kernels
+
+    monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
+    device = torch.device("cuda")
+    q, s, z = random_int4(64, 256, 128, device)
+    x = residual_stream(1, 256, device)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("NVRTC refused")
+
+    gemv_int4_a8._kernel.cache_clear()
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", refuse)
+    try:
+        with caplog.at_level(logging.WARNING, logger=gemv_int4_a8.__name__):
+            assert not gemv_int4_a8.takes(x, q, s, z, 128)
+            out = kernels.int4_linear(x, q, s, z, 128, None)
+        assert "unavailable" in caplog.text
+        with pytest.raises(RuntimeError, match="did not compile"):
+            gemv_int4_a8.gemv_int4_a8(x, q, s, z, 128)
+    finally:
+        gemv_int4_a8._kernel.cache_clear()  # the real compiler's variants for the tests after this one
+    assert rel_err(out, F.linear(x.float(), reference.dequantize_int4(q, s, z, 128, torch.float32))) < 1e-2
 
 
 def expected(x, q, s, z, group_size, bias, gated, norm, residual) -> torch.Tensor:
