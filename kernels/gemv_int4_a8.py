@@ -323,11 +323,10 @@ def launch_taken(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty(*x.shape[:-1], channels, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    variant = _variant(x, qweight, group_size, bias, gated, norm, residual)
-    kernel = _kernel(*variant)
+    kernel = _kernel(*_variant(x, qweight, group_size, bias, gated, norm, residual))
     if kernel is None:
         raise RuntimeError("gemv_int4_a8: the kernel did not compile on this device (see the warning logged)")
-    threads = variant[1]
+    threads = threads_for(n, k)
     placeholder = scales
     grid = (channels // (ROWS // 2) if gated else n // ROWS, rows, 1)
     cuda_launch.launch(kernel, grid, (threads, 1, 1),
