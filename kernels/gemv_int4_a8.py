@@ -9,10 +9,10 @@ per run: s * x_scale * (sum q x_q - z * sum x_q). On an H200 a Llama-3-8B decode
 than with the half-precision GEMV (BENCHMARKS.md).
 
 What rounding the activations costs (`python -m bench.quantization_quality --modes int4 int4_a8`): SmolLM2-135M's
-int4 perplexity 43.18 -> 43.34 with runs of 16 (+0.35%; runs of 32: +0.69%, runs of 8: +0.22%; top-1 agreement
-with the unquantized model 65.1% -> 64.9%), and on random layers ~0.4-0.5% of the output against
-dequantize-then-matmul in float32 where a run holds an outlier channel 15x its neighbours. A run holding an outlier
-rounds its other values coarsely; shorter runs confine that to fewer neighbours.
+int4 perplexity 43.18 -> 43.22 with runs of 16 (top-1 agreement with the unquantized model 65.1% -> 65.1%; an
+earlier version of the bench read +0.35%, and +0.69% / +0.22% for runs of 32 / 8), and on random layers ~0.4-0.5%
+of the output against dequantize-then-matmul in float32 where a run holds an outlier channel 15x its neighbours. A
+run holding an outlier rounds its other values coarsely; shorter runs confine that to fewer neighbours.
 
 A block of THREADS threads owns ROWS weight rows and walks K in 16-byte chunks (32 weights), each thread issuing
 its rows' loads before any arithmetic. The fusions of kernels/gemv_rows.py are here too: NORM multiplies x by the
@@ -20,6 +20,13 @@ norm's weight before rounding it and scales the outputs by 1 / rms(x); RESIDUAL 
 ROWS / 2 gate rows and the matching up rows and writes silu(gate) * up (gate and up rounded to bf16 first). On
 Hopper it launches with programmatic dependent launch like the Triton kernels of a decode step (kernels/pdl.py,
 kernels/cuda_launch.py): int4 decode 601 -> 616 tok/s.
+
+Its time follows the SM clock more than a pure memory-bound kernel would (Nsight Compute: gate_up 23.3 us at 1.42
+GHz, 20.2 us at 1.94 GHz), so instructions a chunk count: rounding by adding 1.5 * 2^23 rather than by a
+float-to-int conversion, odd nibbles dotted in place (16 times their value) rather than shifted, the run's maximum
+taken on bf16 pairs, the scale multiplied rather than divided, and the shape compiled in took a chunk's loop from 528
+to 440 instructions at gate_up; with a warp reduction that halves the rows a lane holds at each exchange (9 shuffles
+for 8 rows instead of 40), batch-1 int4 decode of Llama-3-8B went from 2.46x to 2.545x of bf16 (BENCHMARKS.md).
 
 On by default; TOLLGATE_INT4_A8=0 keeps every int4 GEMV on the half-precision kernel (bf16 activations)."""
 
@@ -70,10 +77,39 @@ __device__ __forceinline__ void unpack_bf16(u32x4 v, float* f) {
   f[4] = __int_as_float(v.c << 16); f[5] = __int_as_float(v.c & 0xFFFF0000u);
   f[6] = __int_as_float(v.d << 16); f[7] = __int_as_float(v.d & 0xFFFF0000u);
 }
+// v * inv (rounded to float) rounded to the nearest integer, ties to even, as cvt.rni would, for |v * inv| <= 127:
+// adding 1.5 * 2^23 leaves the integer in the low mantissa bits, its two's complement byte lowest (two full-rate
+// float instructions instead of a conversion on the slower XU pipe).
+__device__ __forceinline__ unsigned rounded(float v, float inv) {
+  return __float_as_uint(__fadd_rn(__fmul_rn(v, inv), 12582912.f));
+}
+// The low bytes of a, b, c, d as one word, a's lowest.
+__device__ __forceinline__ unsigned pack_bytes(unsigned a, unsigned b, unsigned c, unsigned d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+// The largest |x| of RUN bf16 activations, from their words two at a time (max.xorsign.abs: the larger magnitude of
+// each half, its sign the xor of the signs, so only the magnitudes are read).
+__device__ __forceinline__ float run_amax(const unsigned* words, const float* values) {
+#if __CUDA_ARCH__ >= 860
+  unsigned m = words[0];
+#pragma unroll
+  for (int i = 1; i < RUN / 2; i++) asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(words[i]));
+  return fmaxf(fabsf(__int_as_float(m << 16)), fabsf(__int_as_float(m & 0xFFFF0000u)));
+#else
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < RUN; i++) amax = fmaxf(amax, fabsf(values[i]));
+  return amax;
+#endif
+}
 __device__ __forceinline__ long weight_row(int r) {
 #if GATED
   const long channel = (long)blockIdx.x * (ROWS / 2) + r % (ROWS / 2);
+#if N_FIXED
+  return r < ROWS / 2 ? channel : channel + N_FIXED / 2;
+#else
   return r < ROWS / 2 ? channel : channel + gridDim.x * (ROWS / 2);
+#endif
 #else
   return (long)blockIdx.x * ROWS + r;
 #endif
@@ -85,13 +121,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
     const u32x4* x, const u32x4* __restrict__ qweight, const float* __restrict__ scales,
     const unsigned char* __restrict__ zeros, const unsigned short* __restrict__ bias,
     const u32x4* __restrict__ norm_weight, const unsigned short* residual,
-    unsigned short* __restrict__ out, int K, double eps) {
+    unsigned short* __restrict__ out, int k_argument, double eps) {
   __shared__ float partial[THREADS / 32][ROWS + 1];
   __shared__ float result[ROWS];
   wait_for_earlier_kernels();
+  // A shape compiled in (K_FIXED, N_FIXED) turns the rows' offsets into immediates: fewer instructions a chunk.
+#if K_FIXED
+  const int K = K_FIXED, channels = GATED ? N_FIXED / 2 : N_FIXED;
+#else
+  const int K = k_argument, channels = GATED ? gridDim.x * (ROWS / 2) : gridDim.x * ROWS;
+#endif
   const int chunks = K / 32, groups = K / GROUP;
   const long m = blockIdx.y;
-  const int channels = GATED ? gridDim.x * (ROWS / 2) : gridDim.x * ROWS;
   const u32x4* x_row = x + m * (K / 8);
   float acc[ROWS], squares = 0.f;
 #pragma unroll
@@ -109,8 +150,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
       z[r] = zeros[weight_row(r) * groups + g];
     }
     float f[32];
+    u32x4 x_words[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) unpack_bf16(x_row[4 * c + j], f + 8 * j);
+    for (int j = 0; j < 4; j++) x_words[j] = x_row[4 * c + j];
+#pragma unroll
+    for (int j = 0; j < 4; j++) unpack_bf16(x_words[j], f + 8 * j);
 #if NORM
     float nw[32];
 #pragma unroll
@@ -122,32 +166,35 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
     }
 #endif
     // RUN consecutive activations share a scale: each run rounded to int8 against its own absolute maximum.
-    // Word j of a row holds weights 8j..8j+7, nibble i at bits 4i: its even nibbles (masked) and odd ones (shifted)
-    // are bytes lining up with activations 8j, 8j+2, 8j+4, 8j+6 and 8j+1, ..., 8j+7.
-    float x_scale[4 / RUN_WORDS];
-    int x_sum[4 / RUN_WORDS];
+    // Word j of a row holds weights 8j..8j+7, nibble i at bits 4i: its even nibbles (the low half of each byte) and
+    // odd ones (the high half, so 16 times their value) are bytes lining up with activations 8j, 8j+2, 8j+4, 8j+6
+    // and 8j+1, ..., 8j+7. Sums, scale and zero-point term are kept at 16 times their value to match (exact: a run's
+    // integers stay below 2^24, and scaling a float by 16 or 1/16 is exact).
+    float x_scale16[4 / RUN_WORDS];
+    int x_sum16[4 / RUN_WORDS];
     unsigned xq[8];
 #pragma unroll
     for (int t = 0; t < 4 / RUN_WORDS; t++) {
+#if NORM
       float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < RUN; i++) amax = fmaxf(amax, fabsf(f[RUN * t + i]));
+#else
+      float amax = run_amax(reinterpret_cast<const unsigned*>(x_words) + t * (RUN / 2), f + RUN * t);
+#endif
       amax = fmaxf(amax, 1e-30f);
       const float inv = 127.f / amax;
-      x_scale[t] = amax / 127.f;
-      x_sum[t] = 0;
+      x_scale16[t] = amax * (1.f / 2032.f);  // amax * (1 / 127) / 16, exactly
+      int x_sum = 0;
 #pragma unroll
       for (int j = t * RUN_WORDS; j < (t + 1) * RUN_WORDS; j++) {
-        unsigned even = 0, odd = 0;
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-          even |= ((unsigned)__float2int_rn(f[8 * j + 2 * b] * inv) & 0xFFu) << (8 * b);
-          odd |= ((unsigned)__float2int_rn(f[8 * j + 2 * b + 1] * inv) & 0xFFu) << (8 * b);
-        }
-        xq[2 * j] = even;
-        xq[2 * j + 1] = odd;
-        x_sum[t] = dp4a(0x01010101u, even, dp4a(0x01010101u, odd, x_sum[t]));
+        xq[2 * j] = pack_bytes(rounded(f[8 * j], inv), rounded(f[8 * j + 2], inv), rounded(f[8 * j + 4], inv),
+                               rounded(f[8 * j + 6], inv));
+        xq[2 * j + 1] = pack_bytes(rounded(f[8 * j + 1], inv), rounded(f[8 * j + 3], inv),
+                                   rounded(f[8 * j + 5], inv), rounded(f[8 * j + 7], inv));
+        x_sum = dp4a(0x01010101u, xq[2 * j], dp4a(0x01010101u, xq[2 * j + 1], x_sum));
       }
+      x_sum16[t] = x_sum * 16;
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
@@ -155,25 +202,40 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
       float chunk = 0.f;
 #pragma unroll
       for (int t = 0; t < 4 / RUN_WORDS; t++) {
-        int d = 0;
+        int even = 0, odd16 = 0;
 #pragma unroll
         for (int j = t * RUN_WORDS; j < (t + 1) * RUN_WORDS; j++) {
-          d = dp4a(words[j] & 0x0F0F0F0Fu, xq[2 * j], d);
-          d = dp4a((words[j] >> 4) & 0x0F0F0F0Fu, xq[2 * j + 1], d);
+          even = dp4a(words[j] & 0x0F0F0F0Fu, xq[2 * j], even);
+          odd16 = dp4a(words[j] & 0xF0F0F0F0u, xq[2 * j + 1], odd16);
         }
-        chunk = fmaf(x_scale[t], (float)(d - z[r] * x_sum[t]), chunk);
+        chunk = fmaf(x_scale16[t], (float)(even * 16 + odd16 - z[r] * x_sum16[t]), chunk);
       }
       acc[r] = fmaf(s[r], chunk, acc[r]);
     }
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // A warp's sums of the ROWS rows: each exchange halves the rows a lane holds (it keeps the half its lane bit picks
+  // and adds its partner's copy of that half), then the last offsets add one row across the lanes left.
+  int row = 0, o = 16;
 #pragma unroll
-  for (int r = 0; r <= ROWS; r++) {
-    float v = r < ROWS ? acc[r] : squares;
+  for (int half = ROWS / 2; half >= 1; half /= 2, o /= 2) {
+    const bool upper = lane & o;
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) partial[warp][r] = v;
+    for (int i = 0; i < half; i++) {
+      const float send = upper ? acc[i] : acc[i + half];
+      const float keep = upper ? acc[i + half] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+    row += upper ? half : 0;
   }
+#pragma unroll
+  for (; o > 0; o /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
+  if (lane % (32 / ROWS) == 0) partial[warp][row] = acc[0];
+#if NORM
+#pragma unroll
+  for (int s = 16; s > 0; s /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, s);
+  if (lane == 0) partial[warp][ROWS] = squares;
+#endif
   __syncthreads();
   if (threadIdx.x < ROWS) {
     float t = 0.f;
@@ -222,11 +284,14 @@ def threads_for(rows: int, k: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, threads: int, group: int, run: int, norm: bool, residual: bool, gated: bool, bias: bool):
+def _kernel(device: int, threads: int, group: int, run: int, norm: bool, residual: bool, gated: bool, bias: bool,
+            n_fixed: int, k_fixed: int):
     """One variant compiled for the device on first use, or None where NVRTC refuses it (logged; `takes` then
-    declines and the half-precision GEMV runs)."""
+    declines and the half-precision GEMV runs). k_fixed / n_fixed: the weight's shape compiled in (0: read at run
+    time)."""
     defines = {"ROWS": ROWS, "THREADS": threads, "GROUP": group, "RUN": run, "NORM": int(norm),
-               "RESIDUAL": int(residual), "GATED": int(gated), "HAS_BIAS": int(bias)}
+               "RESIDUAL": int(residual), "GATED": int(gated), "HAS_BIAS": int(bias), "N_FIXED": n_fixed,
+               "K_FIXED": k_fixed}
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
     try:
         with torch.cuda.device(device):
@@ -239,10 +304,13 @@ def _kernel(device: int, threads: int, group: int, run: int, norm: bool, residua
 
 def _variant(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bias: torch.Tensor | None, gated: bool,
              norm: tuple[torch.Tensor, float] | None, residual: torch.Tensor | None):
-    """_kernel's arguments for a call."""
+    """_kernel's arguments for a call. The shape is compiled in except with the norm fusion, where it measured slower
+    (qkv 5.47 -> 5.72 us; o_proj 4.47 -> 4.25, gate_up 17.00 -> 16.50, down 9.40 -> 9.07 without it: BENCHMARKS.md)."""
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    threads = threads_for(qweight.shape[0], qweight.shape[1] * 8)
-    return device, threads, group_size, RUN, norm is not None, residual is not None, gated, bias is not None
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    fixed = (0, 0) if norm is not None else (n, k)
+    return (device, threads_for(n, k), group_size, RUN, norm is not None, residual is not None, gated,
+            bias is not None, *fixed)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -383,12 +383,14 @@ def int4_linear(
 
 
 def quantize_activations_int8(x: torch.Tensor, run: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (float32) -> (the int8 values as floats [..., K], scales [..., K / run]): each run of consecutive
-    values rounded (half to even) against 127 / its absolute maximum, as kernels/gemv_int4_a8.py does."""
+    """x [..., K] (float32) -> (the int8 values as floats [..., K], scales [..., K / run]), as kernels/gemv_int4_a8.py
+    computes them in float32: each run of consecutive values times 127 / the run's absolute maximum, rounded half to
+    even; the run's scale is its maximum times 1 / 127."""
     runs = x.reshape(*x.shape[:-1], x.shape[-1] // run, run)
     amax = runs.abs().amax(-1).clamp_min(1e-30)
-    q = torch.round(runs * (127 / amax).unsqueeze(-1))
-    return q.reshape(x.shape), amax / 127
+    inv = torch.full_like(amax, 127.0) / amax  # a division, as the kernel's (127 / amax is 127 * (1 / amax) in torch)
+    q = torch.round(runs * inv.unsqueeze(-1))
+    return q.reshape(x.shape), amax * torch.tensor(1 / 127, dtype=torch.float32)
 
 
 def int4_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -145,8 +145,11 @@ def test_dependent_launches_of_the_int4_chain_in_a_graph_equal_serial_launches(m
     serial = _replayed(x, layers, inputs, _int4_chain)
     for a, b in zip(with_pdl, serial):
         assert torch.equal(a, b)
+    # Each layer rounds its activations to int8, so a last-place difference from the float64 reference flips an int8
+    # value now and then and 16 layers spread it: 1.9-2.4% over these 20 inputs, ~2% on average.
     reference_ops = types.SimpleNamespace(rms_norm=reference.rms_norm, int4_linear=_reference_int4_a8)
-    assert rel_err(with_pdl[-1], _int4_chain(inputs[-1], layers, reference_ops)) < 2e-2
+    errors = [rel_err(out, _int4_chain(new, layers, reference_ops)) for out, new in zip(with_pdl, inputs)]
+    assert max(errors) < 3e-2 and sum(errors) / len(errors) < 2.5e-2, errors
 
 
 def _reference_int4_a8(x, qweight, scales, zeros, group_size, bias, *, gated=False, residual=None):
