@@ -1,4 +1,4 @@
-# `make up`: install, then start the local platform.  `make test`: install, then run the tests.
+# `make up [PORT=8000]`: install, then start the local platform.  `make test`: install, then run the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -34,7 +34,7 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 install: $(STAMP)
 
 up: install
-	$(BIN)/platform up
+	$(BIN)/platform up $(if $(PORT),--port $(PORT))
 
 test: install
 	$(BIN)/python -m pytest -q

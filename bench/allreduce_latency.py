@@ -1,6 +1,7 @@
 """Latency of the collectives tensor parallelism runs every decode step, on two local ranks:
-NCCL all-reduce of one token's hidden state (eager and replayed from a CUDA graph), the same through
-symmetric memory (graph), and the gloo broadcast that carries each step's inputs from rank 0.
+NCCL all-reduce of one token's hidden state (eager and replayed from a CUDA graph) and the gloo
+broadcast that carries each step's inputs from rank 0 (bench/fused_norm_latency.py times the fused
+all-reduce + RMSNorm that decode steps run instead of NCCL's).
 
     python -m bench.allreduce_latency [--hidden 4096] [--json FILE]
 """
@@ -41,18 +42,12 @@ def _rank_main(rank: int, size: int, port: int, hidden: int, out: str) -> None:
 
     result["nccl_eager_us"] = per_call_us(lambda: [dist.all_reduce(x) for _ in range(200)], 200)
     result["nccl_graph_us"] = _graph_us(per_call_us, lambda: dist.all_reduce(x))
-    from engine.distributed.symmetric_all_reduce import try_symmetric_all_reduce
-
-    fast = try_symmetric_all_reduce(dist.group.WORLD, device)
-    if fast is not None:
-        result["symmetric_graph_us"] = _graph_us(per_call_us, lambda: fast(x))
     header = torch.zeros(6, dtype=torch.int64)
     result["gloo_broadcast_us"] = per_call_us(lambda: [dist.broadcast(header, src=0, group=gloo) for _ in range(500)],
                                               500)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    del fast
     torch.cuda.synchronize()
     dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def one_round(handle: Any) -> dict[str, float]:
     from engine.config import SamplingParams
     from gateway.backends import GenerationRequest
-    from gateway.ray_backend import ReplicaAccepted
+    from gateway.serving.ray_backend import ReplicaAccepted
 
     request = GenerationRequest(f"bench-{time.time_ns()}", SamplingParams(max_tokens=8, temperature=0.0),
                                 messages=[{"role": "user", "content": "Say hello."}])
@@ -55,10 +55,10 @@ async def one_round(handle: Any) -> dict[str, float]:
 
 
 def wait_for_zero(model: str, timeout: float = 120.0) -> None:
-    from gateway import platform_ops as ops
+    from gateway.serving.status import replica_states
 
     deadline = time.monotonic() + timeout
-    while ops.replica_states(model):
+    while replica_states(model):
         if time.monotonic() > deadline:
             raise TimeoutError("the model did not scale to zero")
         time.sleep(0.2)
@@ -67,7 +67,7 @@ def wait_for_zero(model: str, timeout: float = 120.0) -> None:
 def http_round(url: str, key: str, model: str) -> dict[str, float]:
     import httpx
 
-    from gateway.ray_backend import COLD_START_HEADER
+    from gateway.serving.ray_backend import COLD_START_HEADER
 
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
             "stream": True, "temperature": 0.0}
@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     from billing.accounts import create_key, create_tenant
     from billing.db import make_engine
     from billing.migrate import upgrade
-    from gateway import platform_ops as ops
-    from gateway.platform_settings import PlatformSettings
-    from gateway.serve import model_app_name
+    from gateway.serving.deploy import deploy_model
+    from gateway.serving.gateway_app import deploy_gateway
+    from gateway.serving.model_cache import prepared_source
+    from gateway.serving.names import model_app_name
+    from gateway.settings import Settings
     from gateway.specs import load_spec
     from tests.gateway.live import free_port
 
@@ -106,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     db_url = f"sqlite:///{home / 'tollgate.db'}"
     upgrade(db_url)
     db = make_engine(db_url)
-    settings = PlatformSettings(database_url=db_url, home=home, interval_flush_s=30.0, semantic_cache=False)
-    from gateway.model_cache import prepared_source
-
+    settings = Settings(database_url=db_url, home=home, interval_flush_s=30.0, semantic_cache=False)
     t = time.perf_counter()
     prepared_source(spec.source)  # once per node, as `platform up` does (a no-op when already converted)
     print(f"checkpoint conversion (once per node; 0 when cached): {time.perf_counter() - t:.2f} s", flush=True)
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        ops.deploy_model(db, spec, settings)
-        ops.deploy_gateway(settings)
+        deploy_model(db, spec, settings)
+        deploy_gateway(settings)
         handle = serve.get_app_handle(model_app_name(spec.name))
         for i in range(args.rounds):
             wait_for_zero(spec.name)

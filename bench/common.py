@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -43,6 +44,21 @@ def random_workload(num_seqs: int, min_input: int, max_input: int, min_output: i
     prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_input, max_input))] for _ in range(num_seqs)]
     output_lens = [rng.randint(min_output, max_output) for _ in range(num_seqs)]
     return Workload(prompts, output_lens)
+
+
+# EngineConfig switches that A/B runs turn off: --no-tp-greedy-on-shards, --no-tp-fused-norm, ...
+ENGINE_SWITCHES = ("tp_greedy_on_shards", "tp_fused_norm", "int4_int8_activations")
+
+
+def add_engine_switches(parser: argparse.ArgumentParser) -> None:
+    for name in ENGINE_SWITCHES:
+        parser.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false",
+                            help=f"run with EngineConfig.{name}=False")
+
+
+def engine_switches(args: argparse.Namespace) -> dict[str, bool]:
+    """The switches turned off on the command line, as LLM(...) keywords."""
+    return {name: False for name in ENGINE_SWITCHES if not getattr(args, name)}
 
 
 def synchronize(device: str | torch.device) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.common import copy_bandwidth, emit, log
+from bench.common import add_engine_switches, copy_bandwidth, emit, engine_switches, log
 from engine import LLM, SamplingParams
 
 
@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=("int8", "int4", "fp8"), help="weights quantized on load")
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
+    add_engine_switches(p)
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kwargs["async_scheduling"] = False
     if args.quantization:
         kwargs["quantization"] = args.quantization
+    kwargs |= engine_switches(args)
     llm = LLM(args.model, **kwargs)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     rng = random.Random(0)
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "quantization": args.quantization,
         "async_scheduling": llm.engine.overlap,
+        **engine_switches(args),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "decode_tok_s": round(tok_s, 2),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench.finetune_embedder import add_adapters  # noqa: E402
 from bench.train_verifier import SEED, load_pairs, rates, split, threshold_at  # noqa: E402
 from cache.cross_verifier import DEFAULT_CROSS, MAX_PAIR_TOKENS, CrossVerifier  # noqa: E402
 from cache.features import numbers_differ  # noqa: E402
+from tollgate import envs  # noqa: E402
 
 
 def eligible_probs(cv: CrossVerifier, a: list[str], b: list[str], cos: np.ndarray, batch: int = 256) -> np.ndarray:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     train, calib, dropped = split(qqp, dev, 0.2)
     if args.limit:
         train, calib = train[: args.limit], calib[: args.limit]
-    model_dir = os.environ.get("TOLLGATE_MINILM_DIR") or str(ensure_model_dir())
+    model_dir = str(envs.get("TOLLGATE_MINILM_DIR") or ensure_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     bert = AutoModel.from_pretrained(model_dir).float()
     adapted = add_adapters(bert, args.rank, 2.0 * args.rank)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from bench.train_verifier import SEED, load_pairs, rates, split, threshold_at  #
 from cache.features import lexical_features  # noqa: E402
 from cache.lora import DEFAULT_LORA  # noqa: E402
 from cache.verifier import DEFAULT_ARTIFACT, Verifier  # noqa: E402
+from tollgate import envs  # noqa: E402
 
 TARGETS = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense")
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         qqp, dev = load_pairs()
         _, calib, _ = split(qqp, dev, 0.2)
         calib = calib[: args.limit] if args.limit else calib
-        calibrate(args, os.environ.get("TOLLGATE_MINILM_DIR") or str(ensure_model_dir()), calib, dev, time.time())
+        calibrate(args, str(envs.get("TOLLGATE_MINILM_DIR") or ensure_model_dir()), calib, dev, time.time())
         return
     torch.manual_seed(SEED)
     np.random.seed(SEED)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     train, calib, dropped = split(qqp, dev, 0.2)
     if args.limit:
         train, calib = train[: args.limit], calib[: args.limit]
-    model_dir = os.environ.get("TOLLGATE_MINILM_DIR") or str(ensure_model_dir())
+    model_dir = str(envs.get("TOLLGATE_MINILM_DIR") or ensure_model_dir())
     st = SentenceTransformer(model_dir, device=args.device).float()
     bert = st[0].auto_model
     adapted = add_adapters(bert, args.rank, 2.0 * args.rank)

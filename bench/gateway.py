@@ -31,6 +31,7 @@ from gateway.app import create_app  # noqa: E402
 from gateway.backends import BackendInfo, GenerationChunk, GenerationRequest, LocalEngineBackend  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.specs import load_spec  # noqa: E402
+from tollgate import envs  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent.parent / "platform" / "models" / "smollm2-135m.yaml"
 PROMPT = "The capital of France is"
@@ -109,7 +110,7 @@ def main() -> None:
     import uvicorn
 
     tmp = tempfile.mkdtemp(prefix="tollgate-bench-")
-    url = os.environ.get("TOLLGATE_DATABASE_URL") or f"sqlite:///{tmp}/bench.db"
+    url = envs.get("TOLLGATE_DATABASE_URL") or f"sqlite:///{tmp}/bench.db"
     upgrade(url)
     db = make_engine(url)
     # the plain key's tenant has no budget either, so its requests skip SQL admission entirely

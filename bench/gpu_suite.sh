@@ -90,7 +90,7 @@ walk("", r)
 keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio", "gemm_speedup",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
-        "nccl_graph_us", "symmetric_graph_us", "wall_ms_per_step", "kernel_ms_per_step",
+        "nccl_graph_us", "wall_ms_per_step", "kernel_ms_per_step",
         "per_link_us.fused.best", "per_link_us.nccl.best", "per_link_us.local.best")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
 name = lambda k: "_".join(k.split(".")[-2:]) if k.startswith("per_link_us.") else k.split(".")[-1]

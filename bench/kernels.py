@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton.testing  # noqa: E402
 
 from kernels.kv_layout import new_kv_cache  # noqa: E402
-from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
+from kernels.flash_decode import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object]) -> float:

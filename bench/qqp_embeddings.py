@@ -12,8 +12,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = Path(os.environ.get("TOLLGATE_DATA_DIR", ROOT.parent / "shared" / "data"))
-CACHE_DIR = Path(os.environ.get("TOLLGATE_EMB_CACHE", "/tmp/tollgate_emb_cache"))
+
+from tollgate import envs  # noqa: E402
+
+DATA = envs.get("TOLLGATE_DATA_DIR")
+CACHE_DIR = envs.get("TOLLGATE_EMB_CACHE")
 
 
 def embed_texts(texts: list[str], tag: str) -> np.ndarray:
@@ -28,8 +31,7 @@ def embed_texts(texts: list[str], tag: str) -> np.ndarray:
         return np.load(path)
     from cache.embedder import Embedder
 
-    model_dir = os.environ.get("TOLLGATE_MINILM_DIR")
-    emb = Embedder(Path(model_dir) if model_dir else None, device=os.environ.get("TOLLGATE_EMB_DEVICE", "cpu"))
+    emb = Embedder(envs.get("TOLLGATE_MINILM_DIR"), device=envs.get("TOLLGATE_EMB_DEVICE"))
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     out = np.zeros((len(texts), emb.dim), dtype=np.float32)
     step = 4096

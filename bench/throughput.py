@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Workload, emit, log, random_workload, synchronize, timed
+from bench.common import Workload, add_engine_switches, emit, engine_switches, log, random_workload, synchronize, timed
 from engine import LLM, SamplingParams
 
 HF_METHOD = (
@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_engine_switches(p)
     p.add_argument("--repeats", type=int, default=2, help="timed runs of the workload; the best is reported")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -64,7 +65,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     if args.sync_scheduling:
         kwargs["async_scheduling"] = False
-    return kwargs
+    return kwargs | engine_switches(args)
 
 
 def params_for(output_len: int) -> SamplingParams:
@@ -113,6 +114,7 @@ def run_engine(args: argparse.Namespace, work: Workload) -> tuple[dict[str, Any]
         "tpot_p50_s": after["tpot_p50_s"],
         "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
         "async_scheduling": llm.engine.overlap,
+        **engine_switches(args),
     }
     llm.close()
     del llm, outputs

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import Engine
+
+from billing.db import make_engine
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,3 +27,9 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str) -> None:
     command.downgrade(alembic_config(url), revision)
+
+
+def open_database(url: str) -> Engine:
+    """An engine on `url`, its schema upgraded to the latest revision first."""
+    upgrade(url)
+    return make_engine(url)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tollgate import envs
+
 log = logging.getLogger(__name__)
 
 MODEL_DIRNAME = "all-MiniLM-L6-v2"
@@ -28,9 +30,7 @@ def _package_zip() -> Path:
 
 
 def default_model_root() -> Path:
-    home = os.environ.get("TOLLGATE_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "tollgate"
-    return base / "models"
+    return envs.model_cache_dir()
 
 
 def ensure_model_dir(root: Path | None = None) -> Path:
@@ -67,7 +67,7 @@ class Embedder:
         most ONNX Runtime threads a prompt may use (cache/embedder_onnx.py; TOLLGATE_EMBEDDER_THREADS, else 2)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        backend = backend or os.environ.get("TOLLGATE_EMBEDDER_BACKEND") or ("onnx" if device == "cpu" else "torch")
+        backend = backend or envs.get("TOLLGATE_EMBEDDER_BACKEND") or ("onnx" if device == "cpu" else "torch")
         if backend not in ("onnx", "torch"):
             raise ValueError(f"backend: 'onnx' or 'torch' expected, got {backend!r}")
         if backend == "onnx" and device != "cpu":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tollgate import envs
+
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OPSET = 17
 
@@ -77,10 +79,10 @@ def remove_other_exports(path: Path) -> None:
 
 def default_threads() -> int:
     """TOLLGATE_EMBEDDER_THREADS, else two where the host has two cores or more."""
-    value = os.environ.get("TOLLGATE_EMBEDDER_THREADS")
+    value = envs.get("TOLLGATE_EMBEDDER_THREADS")
     if value is None:
         return min(2, os.cpu_count() or 1)
-    if not value.isdigit() or int(value) < 1:
+    if value < 1:
         raise ValueError(f"TOLLGATE_EMBEDDER_THREADS: a whole number >= 1 expected, got {value!r}")
     return int(value)
 

@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# Request fields that change what the model answers. Absent fields hash as absent, so a request
-# that sets a field to its default lands in a different namespace than one that omits it: safe.
+# Request fields that change what the model answers (of those the gateway's request models accept).
+# Absent fields hash as absent, so a request that sets a field to its default lands in a different
+# namespace than one that omits it: safe.
 ANSWER_FIELDS = (
     "temperature",
     "top_p",
@@ -25,12 +26,7 @@ ANSWER_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
-    "logit_bias",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
+    "ignore_eos",
     "n",
     "logprobs",
     "top_logprobs",

@@ -1,7 +1,6 @@
 """SemanticCache: per-namespace FAISS search, a same-question verifier, TTL, LRU bound, SQLite."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +15,7 @@ from cache.namespace import Namespace
 from cache.store import EntryStore, StoredEntry
 from cache.types import CacheStats, Hit
 from cache.verifier import Verifier
+from tollgate import envs
 
 DB_FILENAME = "semantic_cache.sqlite3"
 
@@ -307,5 +307,4 @@ def load_default_verifier() -> Any:
 
 
 def default_cache_dir() -> Path:
-    home = os.environ.get("TOLLGATE_HOME")
-    return (Path(home) if home else Path.home() / ".tollgate") / "cache"
+    return envs.home() / "cache"

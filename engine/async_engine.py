@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, PromptTooLongError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -46,10 +46,6 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         return cls(LLMEngine(config))
 
-    @classmethod
-    def from_model(cls, model: str, **config_fields: Any) -> "AsyncEngine":
-        return cls(LLMEngine(EngineConfig.from_kwargs(model, **config_fields)))
-
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -57,10 +53,6 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None
 
     # ---- consumer side --------------------------------------------------------------------------
 
@@ -79,6 +71,12 @@ class AsyncEngine:
         params = params or SamplingParams()
         # validation runs here, in the caller, so errors surface before the first yield
         _, token_ids = self.engine.encode_prompt(prompt)
+        # a served request must fit whole: max_tokens beyond the context is an error, not silently capped
+        limit = self.engine.max_model_len
+        if len(token_ids) >= limit:
+            raise PromptTooLongError(len(token_ids), limit)
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise PromptTooLongError(len(token_ids), limit, params.max_tokens)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         finished = False
         with self._lock:

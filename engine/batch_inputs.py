@@ -17,7 +17,7 @@ from engine.deferred_tokens import PENDING_TOKEN
 from engine.models.attention_metadata import AttentionMetadata
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from kernels.reference import STEP_HEADER_WORDS
+from kernels.formats import STEP_HEADER_WORDS
 
 
 @dataclass

@@ -44,11 +44,20 @@ class EngineConfig:
     # Launch step N+1 before reading step N's tokens, so host work overlaps the forward pass. Off with
     # speculative decoding (its proposer reads the newest tokens) and for steps returning logprobs.
     async_scheduling: bool = True
+    # Tensor parallelism: when every sequence of a step decodes greedily, each rank picks the best token of its
+    # vocabulary shard and the ranks exchange those candidates instead of gathering the logits.
+    tp_greedy_on_shards: bool = True
+    # Tensor parallelism on GPUs: a decode step's all-reduces run in one kernel with the residual add and RMSNorm
+    # after them, through buffers the GPUs write into (checked at start; NCCL where the check fails).
+    tp_fused_norm: bool = True
+    # int4 weights: batch-1 decode on CUDA rounds each linear's input to int8 for a DP4A GEMV; False keeps bf16.
+    int4_int8_activations: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path or name")
-        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device",
+        _require(isinstance(self.dtype, str) and self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
+                 "device",
                  f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0,
                  "block_size", f"must be a positive multiple of 8, got {self.block_size!r}")
@@ -58,19 +67,22 @@ class EngineConfig:
                  f"must be a positive integer, got {self.max_num_seqs!r}")
         _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
                  "max_num_batched_tokens", f"must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        _require(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _require(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks > 0),
                  "num_kv_blocks", f"must be a positive integer, got {self.num_kv_blocks!r}")
-        _require(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", f"must be positive, got {self.cpu_kv_cache_gib!r}")
+        _require(_is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib",
+                 f"must be positive, got {self.cpu_kv_cache_gib!r}")
         _require(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.quantization in _QUANTIZATIONS, "quantization",
                  f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        _require(isinstance(self.async_scheduling, bool), "async_scheduling",
-                 f"must be true or false, got {self.async_scheduling!r}")
+        for switch in ("async_scheduling", "tp_greedy_on_shards", "tp_fused_norm", "int4_int8_activations"):
+            value = getattr(self, switch)
+            _require(isinstance(value, bool), switch, f"must be true or false, got {value!r}")
         _ = self.speculative  # parses and checks speculative_config once; readers get the cached result
 
     @cached_property
@@ -140,10 +152,6 @@ class SamplingParams:
         _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
                  f"must be an integer in [0, 20], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _is_number(x: object) -> bool:

@@ -22,7 +22,7 @@ import torch
 from engine.batch_inputs import HostInputs, graph_staging
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from kernels.reference import step_tables_offset
+from kernels.formats import step_tables_offset
 
 log = logging.getLogger(__name__)
 

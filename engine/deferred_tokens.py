@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import SampledToken, Sequence
 
 PENDING_TOKEN = -1
 
@@ -37,3 +37,28 @@ class DeferredTokens:
         if self._ready is not None:
             self._ready.synchronize()
         return self._host.tolist()
+
+    def mark_pending(self) -> None:
+        """Appends PENDING_TOKEN to each sequence still running: the next step reads it from its row here."""
+        for row, seq in enumerate(self.seqs):
+            if not seq.finished:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_row = row
+
+    def read(self) -> list[SampledToken]:
+        """The tokens, once the device has them, in place of their PENDING_TOKEN; sequences finished since are
+        skipped."""
+        sampled = []
+        for seq, token in zip(self.seqs, self.tolist()):
+            if seq.finished:
+                continue
+            drop_pending_token(seq)
+            sampled.append(SampledToken(seq, token, None))
+        return sampled
+
+
+def drop_pending_token(seq: Sequence) -> None:
+    if seq.pending_row >= 0:
+        assert seq.token_ids[-1] == PENDING_TOKEN
+        seq.token_ids.pop()
+        seq.pending_row = -1

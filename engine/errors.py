@@ -2,15 +2,25 @@
 
 
 class PromptTooLongError(ValueError):
-    """The prompt (plus at least one new token) does not fit in max_model_len."""
+    """The prompt (plus at least one new token), or the prompt plus the max_tokens asked for, does not fit in
+    max_model_len."""
 
-    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+    def __init__(self, num_prompt_tokens: int, max_model_len: int, max_tokens: int | None = None) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
-        super().__init__(
-            f"prompt: {num_prompt_tokens} tokens leave no room to generate within max_model_len={max_model_len} "
-            "(this model's maximum context length)"
-        )
+        self.max_tokens = max_tokens
+        if max_tokens is None:
+            message = (f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
+                       f"max_model_len={max_model_len} (this model's maximum context length)")
+        else:
+            message = (f"max_tokens: this model's maximum context length is {max_model_len} tokens, but "
+                       f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                       f"{max_tokens} in the completion); reduce the prompt or max_tokens")
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        # pickled by its fields (Ray, worker processes): the default would call __init__ with the message alone
+        return type(self), (self.num_prompt_tokens, self.max_model_len, self.max_tokens)
 
 
 class EngineDeadError(RuntimeError):

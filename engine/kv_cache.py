@@ -88,10 +88,6 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids, block.parent_id = None, (), None
 
-    def evict_all_cached(self) -> None:
-        for block_id in list(self.free_queue):
-            self._uncache(self.blocks[block_id])
-
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
@@ -190,6 +186,3 @@ class KVCacheManager:
         self.pool.release(list(reversed(seq.block_ids)))
         seq.block_ids = []
         seq.num_registered_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.evict_all_cached()

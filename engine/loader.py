@@ -77,6 +77,26 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
                        quantization=quantization)
 
 
+def read_model_config(source: str) -> ModelConfig:
+    """The model's config without its weights: the checks a deploy makes before any replica starts (the
+    source exists, its config parses, an AWQ / GPTQ quantization_config is one the engine loads)."""
+    resolved = resolve_model_source(source)
+    if resolved.startswith(_RANDOM_PREFIX):
+        return random_model_config(resolved[len(_RANDOM_PREFIX):])
+    if os.path.isdir(resolved):
+        data = _read_json(os.path.join(resolved, "config.json"), "config")
+        raw_quantization = data.get("quantization_config") if isinstance(data, dict) else None
+        if raw_quantization is not None:
+            parse_quantization_config(raw_quantization)
+        config = _model_config(resolved, data)
+        _safetensors_files(resolved)
+        return config
+    from engine.gguf_loader import gguf_model_config, open_gguf
+
+    reader = open_gguf(resolved)
+    return gguf_model_config(reader, {t.name: t for t in reader.tensors}, resolved)
+
+
 def _resolve_package(package: str) -> str:
     try:
         spec = importlib.util.find_spec(package)

@@ -38,7 +38,7 @@ def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     model = LlamaForCausalLM(model_config, max_model_len, device, dtype, tp)
     load_weights(model, loaded, config)  # quantizes as config.quantization / kv_cache_dtype ask
     model.eval()
-    if tp.size > 1 and device.type == "cuda":
+    if tp.size > 1 and device.type == "cuda" and config.tp_fused_norm:
         from engine.distributed.peer_exchange import try_fused_all_reduce_norm
 
         tp.fused_norm = try_fused_all_reduce_norm(tp, device, model_config.hidden_size, dtype, model.embed_tokens.rows)

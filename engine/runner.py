@@ -1,10 +1,15 @@
-"""Turns a scheduled batch into tensors, runs the network, samples."""
+"""Turns a scheduled batch into tensors, runs the network, samples.
+
+A step's tokens come out of it one of four ways (TokenPath), chosen in one place, ModelRunner.token_path: sampled
+from the logits at once; sampled on the device and read by the host a step later (async scheduling); picked greedily
+on each tensor-parallel rank's vocabulary shard, also read a step later; or speculative drafts verified by rejection
+sampling. `execute` launches the forward pass for the path, `sample_tokens` then gives the tokens."""
 
 from __future__ import annotations
 
+import enum
 import gc
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +25,10 @@ from engine.distributed.step_channel import receive_step, send_step, share_previ
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import TokenLogprob
 from engine.quantization.kv_cache import kv_cache_torch_dtype
 from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import SampledToken, Sequence
 from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.transfer import to_device
 from kernels.kv_layout import new_kv_cache
@@ -32,11 +36,21 @@ from kernels.kv_layout import new_kv_cache
 log = logging.getLogger(__name__)
 
 
+class TokenPath(enum.Enum):
+    SAMPLED = "sampled"  # the logits' rows through the sampler, read now
+    DEFERRED = "deferred"  # through the sampler on the device, read by the host a step later (async scheduling)
+    GREEDY_ON_SHARDS = "greedy_on_shards"  # each rank's argmax over its vocabulary shard, exchanged; read a step later
+    SPECULATIVE = "speculative"  # the last token's and the drafts' rows through rejection sampling, read now
+
+
 @dataclass
-class SampledToken:
-    seq: Sequence
-    token_id: int
-    logprob: TokenLogprob | None
+class LaunchedStep:
+    """A step whose forward pass is launched: how its tokens come out, and from what."""
+
+    path: TokenPath
+    seqs: list[Sequence]  # the sequences whose tokens are all computed after this step: each gets tokens
+    logits: torch.Tensor | None = None  # as forward_logits returns them; None on the greedy-on-shards path
+    tokens: DeferredTokens | None = None  # the greedy-on-shards path's
 
 
 class ModelRunner:
@@ -144,6 +158,42 @@ class ModelRunner:
             )
         return budget // self.bytes_per_block
 
+    def token_path(self, batch: ScheduledBatch, deferred: bool) -> TokenPath:
+        """How this batch's tokens come out of its forward pass; deferred: the engine may read them a step late
+        (async scheduling), which a step returning logprobs does not."""
+        seqs = _caught_up(batch)
+        if deferred and self.picks_greedy_on_shards(batch.seqs):
+            return TokenPath.GREEDY_ON_SHARDS
+        if deferred and seqs and all(seq.logprobs is None for seq in seqs):
+            return TokenPath.DEFERRED
+        if any(seq.spec_token_ids for seq in seqs):
+            return TokenPath.SPECULATIVE
+        return TokenPath.SAMPLED
+
+    def execute(self, batch: ScheduledBatch, previous: DeferredTokens | None, deferred: bool) -> LaunchedStep:
+        """Launches the batch's forward pass for its token path; pending input tokens are read from `previous`,
+        the step still in flight. sample_tokens gives its tokens."""
+        path = self.token_path(batch, deferred)
+        if path is TokenPath.GREEDY_ON_SHARDS:
+            tokens = self.forward_greedy(batch, previous)
+            return LaunchedStep(path, tokens.seqs, tokens=tokens)
+        logits, seqs = self.forward_logits(batch, previous)
+        return LaunchedStep(path, seqs, logits=logits)
+
+    @torch.inference_mode()
+    def sample_tokens(self, step: LaunchedStep) -> DeferredTokens | list[SampledToken]:
+        """The launched step's next tokens: on the device, for the host to read a step later, or read now (one per
+        sequence, or for one that speculates its kept drafts and one more). Penalties and min_tokens read each
+        sequence's tokens, so the tokens of the step before must be in place."""
+        if step.path is TokenPath.GREEDY_ON_SHARDS:
+            return step.tokens
+        if step.path is TokenPath.DEFERRED:
+            logits = self._constrained(step.logits, step.seqs)
+            return DeferredTokens(self.sampler.token_tensor(logits, self._sampling_rows(step.seqs)), step.seqs)
+        if step.path is TokenPath.SPECULATIVE:
+            return self._verify_drafts(step.logits, step.seqs)
+        return self._sample(step.logits, step.seqs)
+
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch, previous: DeferredTokens | None = None
                        ) -> tuple[torch.Tensor, list[Sequence]]:
@@ -154,17 +204,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_greedy(self, batch: ScheduledBatch, previous: DeferredTokens | None = None) -> DeferredTokens:
-        """forward_logits then sample_deferred, for a batch that picks_greedy_on_shards: the tokens come from each
-        rank's vocabulary shard (no logits are gathered) and every rank holds them, so the next step's pending
-        inputs are not broadcast."""
+        """The greedy-on-shards path: the tokens come from each rank's vocabulary shard (no logits are gathered) and
+        every rank holds them, so the next step's pending inputs are not broadcast."""
         tokens, sampled_seqs = self._forward(batch, previous, greedy_tokens=True)
         return DeferredTokens(tokens, sampled_seqs)
 
     def picks_greedy_on_shards(self, seqs: list[Sequence]) -> bool:
         """Whether forward_greedy serves these sequences: tensor parallelism (with one rank the logits are not
-        gathered anyway) and, for each, the plain argmax of its logits: greedy, no penalties, no logprobs, no
-        draft tokens, no tokens banned short of min_tokens. TOLLGATE_TP_GREEDY_ON_SHARDS=0 turns it off."""
-        if self.tp.size == 1 or os.environ.get("TOLLGATE_TP_GREEDY_ON_SHARDS", "1") == "0":
+        gathered anyway) with config.tp_greedy_on_shards and, for each, the plain argmax of its logits: greedy, no
+        penalties, no logprobs, no draft tokens, no tokens banned short of min_tokens."""
+        if self.tp.size == 1 or not self.config.tp_greedy_on_shards:
             return False
         return all(
             seq.params.temperature == 0.0 and not _uses_penalties(seq.params) and seq.params.logprobs is None
@@ -176,10 +225,7 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, list[Sequence]]:
         host = host_inputs(batch, self.block_size, previous.num_rows if previous is not None else 0, greedy_tokens)
         out = self.run_model(host, previous.device_ids if previous is not None else None)
-        sampled_seqs = [
-            seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens
-        ]
-        return out, sampled_seqs
+        return out, _caught_up(batch)
 
     @torch.inference_mode()
     def run_model(self, host: HostInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,19 +273,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             gc.collect()
 
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """The next tokens of each caught-up sequence: one, or for one that speculates its kept drafts and one more."""
-        if any(seq.spec_token_ids for seq in seqs):
-            return self._verify_drafts(logits, seqs)
-        return self._sample(logits, seqs)
-
-    @torch.inference_mode()
-    def sample_deferred(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeferredTokens:
-        """One next token per sequence, sampled on the device; the host reads them later (async scheduling)."""
-        return DeferredTokens(self.sampler.token_tensor(self._constrained(logits, seqs), self._sampling_rows(seqs)),
-                              seqs)
-
     def _verify_drafts(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         last_rows = np.cumsum([1 + len(seq.spec_token_ids) for seq in seqs]) - 1
         plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
@@ -286,6 +319,11 @@ class ModelRunner:
         out = self.sampler(self._constrained(logits, seqs), self._sampling_rows(seqs))
         logprobs = out.logprobs or [None] * len(seqs)
         return [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, logprobs)]
+
+
+def _caught_up(batch: ScheduledBatch) -> list[Sequence]:
+    """The batch's sequences whose tokens are all computed once it has run: those that get a next token."""
+    return [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens]
 
 
 def _uses_penalties(params) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,3 +104,12 @@ class Sequence:
     def sort_key(self) -> tuple[int, float, int]:
         """Smaller runs first: lower priority value, then earlier arrival."""
         return (self.priority, self.arrival_time, self.order)
+
+
+@dataclass
+class SampledToken:
+    """A new token of a sequence, with its logprob when the sequence asked for them."""
+
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None

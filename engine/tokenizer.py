@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from engine.model_config import token_id_tuple
+from tollgate import envs
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -21,9 +22,6 @@ class Tokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        special = set(hf_tokenizer.all_special_ids)
-        special.update(i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
-        self._special_ids = frozenset(special)
 
     @classmethod
     def from_source(cls, path: str) -> Tokenizer | None:
@@ -68,9 +66,6 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._hf.convert_ids_to_tokens(list(ids)))
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)
         if not getattr(self._hf, "chat_template", None):
@@ -110,9 +105,8 @@ def _converted_tokenizer_dir(path: str, mtime_ns: int, size: int) -> str:
 
     import transformers
 
-    root = os.environ.get("TOLLGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tollgate")
     key = hashlib.sha256(f"{path}|{mtime_ns}|{size}|{transformers.__version__}".encode()).hexdigest()[:24]
-    return os.path.join(root, "tokenizers", key)
+    return str(envs.model_cache_dir() / "tokenizers" / key)
 
 
 def _save_converted(hf: Any, target: str) -> None:

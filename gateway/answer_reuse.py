@@ -39,15 +39,17 @@ class CacheOutcome:
 
 
 class AnswerReuse:
-    def __init__(self, cache: SemanticCache | None, route_specs: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, cache: SemanticCache | None) -> None:
         self.cache = cache
-        self.route_specs = [RouteSpec.from_mapping(s) for s in route_specs]
         self._pending: set[asyncio.Task[None]] = set()
 
-    def route(self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None) -> RouteDecision:
-        if not self.route_specs:
+    @staticmethod
+    def route(messages: Sequence[Mapping[str, Any]], max_tokens: int | None,
+              candidates: Sequence[RouteSpec]) -> RouteDecision:
+        """The router's choice among `candidates`, the models deployed and serving now."""
+        if not candidates:
             raise model_not_found(AUTO_MODEL)
-        return route(messages, self.route_specs, max_tokens)
+        return route(messages, candidates, max_tokens)
 
     async def lookup(self, tenant_id: int, model: str, body: Mapping[str, Any]) -> CacheOutcome:
         if self.cache is None:

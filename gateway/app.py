@@ -10,10 +10,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
 
-from billing.models import ModelDeployment
+from billing.deployments import record_deployments
 from gateway import errors
 from gateway.access_log import drop_query_strings
 from gateway.admin_routes import admin_router
@@ -22,6 +21,8 @@ from gateway.auth_throttle import FailedAuthThrottle
 from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
+from gateway.deployed import DeployedModels
+from gateway.drain import InFlight, InFlightMiddleware
 from gateway.routes import router
 from gateway.service import Gateway
 from gateway.settings import Settings
@@ -32,39 +33,40 @@ log = logging.getLogger("tollgate.gateway")
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
                own_backends: bool = False) -> FastAPI:
-    """`own_backends`: start LocalEngineBackends at startup and stop them at shutdown."""
-    prices = {s.name: s.pricing.prices() for s in specs}
-    reuse = AnswerReuse(None, [s.model_dump(mode="json") for s in specs])
-    gw = Gateway(db, backends, prices, key_cache_ttl_s=settings.key_cache_ttl_s,
-                 ledger_max_batch=settings.ledger_max_batch, reuse=reuse,
-                 ledger_spill_dir=settings.ledger_spill_path, ledger_max_buffer=settings.ledger_max_buffer,
-                 admission_db_timeout_s=settings.admission_db_timeout_s)
+    """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
+    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained."""
+    models = DeployedModels(dict(backends), {s.name: s for s in specs})
+    gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
+                 reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
+                 ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s)
+    in_flight = InFlight()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         drop_query_strings()
-        register_deployments(db, specs)
+        record_deployments(db, [spec.model_dump(mode="json") for spec in specs])
         gw.ledger.start()
         if settings.semantic_cache:
-            reuse.cache = await asyncio.to_thread(open_semantic_cache, settings)
+            gw.reuse.cache = await asyncio.to_thread(open_semantic_cache, settings)
         if own_backends:
-            for backend in backends.values():
-                if isinstance(backend, LocalEngineBackend):
-                    log.info("loading model %s", backend.spec.name)
-                    await backend.start()
+            await _start_local_models(backends)
         try:
             yield
         finally:
+            left = await in_flight.drain(settings.drain_s)
+            if left:
+                log.warning("stopping with %d requests still in flight after %.0f s", left, settings.drain_s)
             if own_backends:
                 for backend in backends.values():
                     if isinstance(backend, LocalEngineBackend):
                         backend.stop()
             gw.ledger.close()
-            if reuse.cache is not None:
-                reuse.cache.close()
+            if gw.reuse.cache is not None:
+                gw.reuse.cache.close()
 
     app = FastAPI(title="Tollgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    app.state.in_flight = in_flight
     app.state.admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     app.state.session_secret = session_secret(settings)
     app.state.auth_throttle = FailedAuthThrottle(settings.auth_fail_limit, settings.auth_fail_window_s)
@@ -73,20 +75,19 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.include_router(admin_router)
     install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(InFlightMiddleware, in_flight=in_flight)
     return app
 
 
-def register_deployments(db: Engine, specs: list[ModelSpec]) -> None:
-    with Session(db) as s, s.begin():
-        for spec in specs:
-            row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == spec.name))
-            if row is None:
-                row = ModelDeployment(name=spec.name)
-                s.add(row)
-            row.spec = spec.model_dump(mode="json")
-            row.input_per_1m = spec.pricing.input_per_1m
-            row.output_per_1m = spec.pricing.output_per_1m
-            row.gpu_hour = spec.pricing.gpu_hour
+async def _start_local_models(backends: dict[str, ModelBackend]) -> None:
+    for name, backend in backends.items():
+        if not isinstance(backend, LocalEngineBackend) or backend.info().state == "unavailable":
+            continue
+        log.info("loading model %s", name)
+        try:
+            await backend.start()
+        except Exception:
+            log.error("model %s is unavailable: %s", name, backend.info().reason)
 
 
 def open_semantic_cache(settings: Settings) -> Any:

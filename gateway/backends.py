@@ -13,7 +13,10 @@ from engine.config import EngineConfig, SamplingParams
 from engine.outputs import RequestOutput, TokenLogprob
 from gateway.specs import ModelSpec
 
-BackendState = Literal["stopped", "loading", "ready", "failed"]
+# ready: serving; scaled_to_zero: no replica now, a request starts one; loading: starting, try again shortly;
+# unavailable: cannot serve (BackendInfo.reason says why); stopped: shut down
+BackendState = Literal["ready", "scaled_to_zero", "loading", "unavailable", "stopped"]
+SERVING_STATES = ("ready", "scaled_to_zero")
 
 
 @dataclass
@@ -59,6 +62,11 @@ class BackendInfo:
     state: BackendState
     replicas: int | None = None  # replicas serving now
     replica_states: dict[str, int] | None = None  # e.g. {"running": 2, "starting": 1}
+    reason: str | None = None  # why the model is unavailable
+
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING_STATES
 
 
 @runtime_checkable
@@ -71,7 +79,7 @@ class ModelBackend(Protocol):
 
 
 class BackendUnavailable(RuntimeError):
-    pass
+    """The model cannot take the request now; the message says why (a 503 for the client)."""
 
 
 class LocalEngineBackend:
@@ -80,25 +88,32 @@ class LocalEngineBackend:
         self._fields = {**spec.engine, **engine_overrides}
         self._engine: Any = None
         self._state: BackendState = "stopped"
+        self._reason: str | None = None
         self._token_cache: dict[int, str] = {}
 
     async def start(self) -> None:
-        """Load the model (blocking work runs in a thread)."""
+        """Load the model (blocking work runs in a thread). A model that cannot load is left unavailable,
+        with the reason, and the error is raised."""
         from engine import AsyncEngine
 
         self._state = "loading"
         try:
             config = EngineConfig.from_kwargs(self.spec.source, **self._fields)
             self._engine = await asyncio.to_thread(AsyncEngine.from_config, config)
-        except BaseException:
-            self._state = "failed"
+        except BaseException as e:
+            self.mark_unavailable(f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
             raise
         self._state = "ready"
+
+    def mark_unavailable(self, reason: str) -> None:
+        self._state, self._reason = "unavailable", reason
 
     def stop(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
-        self._state = "stopped"
+            self._engine = None
+        if self._state != "unavailable":
+            self._state = "stopped"
 
     @property
     def engine(self) -> Any:
@@ -108,7 +123,7 @@ class LocalEngineBackend:
         max_len = self._engine.max_model_len if self._engine is not None else self._fields.get("max_model_len")
         ready = self._state == "ready"
         states = {"running": 1} if ready else {"starting": 1} if self._state == "loading" else {}
-        return BackendInfo(self.spec.name, max_len, self._state, 1 if ready else 0, states)
+        return BackendInfo(self.spec.name, max_len, self._state, 1 if ready else 0, states, self._reason)
 
     def stats(self) -> dict[str, Any]:
         return self._engine.stats() if self._engine is not None else {}
@@ -119,7 +134,8 @@ class LocalEngineBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._state != "ready":
-            raise BackendUnavailable(f"model {self.spec.name!r} is {self._state}")
+            why = f": {self._reason}" if self._reason else ""
+            raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}{why}")
         engine = self._engine
         if request.messages is not None:
             prompt: str | list[int] = engine.tokenizer.apply_chat_template(request.messages)

@@ -42,8 +42,8 @@ def model_not_found(model: str) -> APIError:
                     "invalid_request_error", "model_not_found", "model")
 
 
-def context_length_exceeded(message: str) -> APIError:
-    return APIError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
+def context_length_exceeded(message: str, param: str = "messages") -> APIError:
+    return APIError(400, message, "invalid_request_error", "context_length_exceeded", param)
 
 
 def rate_limited(message: str, retry_after: int) -> APIError:

@@ -5,6 +5,7 @@ upsert that only increments while under the limit."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from sqlalchemy import Engine, and_, or_, select
 from sqlalchemy.exc import OperationalError
@@ -18,21 +19,47 @@ from gateway.errors import insufficient_quota, rate_limited
 from gateway.outage_log import warn_once
 
 
+@dataclass(frozen=True)
+class RateLimitHeaders:
+    """OpenAI's x-ratelimit-* headers for a key with rpm / tpm limits: each limit, what is left of it in
+    the current minute, and when the minute resets."""
+
+    rpm: int | None
+    tpm: int | None
+    requests_used: int
+    tokens_used: int
+    reset_s: int
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.rpm is not None:
+            out["x-ratelimit-limit-requests"] = str(self.rpm)
+            out["x-ratelimit-remaining-requests"] = str(max(0, self.rpm - self.requests_used))
+            out["x-ratelimit-reset-requests"] = f"{self.reset_s}s"
+        if self.tpm is not None:
+            out["x-ratelimit-limit-tokens"] = str(self.tpm)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, self.tpm - self.tokens_used))
+            out["x-ratelimit-reset-tokens"] = f"{self.reset_s}s"
+        return out
+
+
 class Limiter:
     def __init__(self, engine: Engine, ledger: Ledger | None = None) -> None:
         self._engine = engine
         self._ledger = ledger
 
-    def admit(self, p: Principal, now: float | None = None) -> None:
-        """Raise a 429 APIError when the key may not make a request now; otherwise count it."""
+    def admit(self, p: Principal, now: float | None = None) -> RateLimitHeaders | None:
+        """Raise a 429 APIError when the key may not make a request now; otherwise count it and return
+        the rate-limit headers (None for a key without rpm / tpm, or while the database is unreachable)."""
         now = time.time() if now is None else now
         try:
             if p.key_budget_usd is not None or p.tenant_budget_usd is not None:
                 self._check_budget(p, now)
             if p.rpm is not None or p.tpm is not None:
-                self._take_request(p, now)
+                return self._take_request(p, now)
         except OperationalError:
             self._admit_without_database(p, now)
+        return None
 
     def _admit_without_database(self, p: Principal, now: float) -> None:
         """The database is unreachable: fail open (logged), enforcing only what this process knows, the
@@ -67,7 +94,7 @@ class Limiter:
             raise insufficient_quota(f"Tenant {p.tenant!r} has spent its monthly budget of "
                                      f"${p.tenant_budget_usd:.2f} (spent ${tenant_spent:.6f} in {period}).")
 
-    def _take_request(self, p: Principal, now: float) -> None:
+    def _take_request(self, p: Principal, now: float) -> RateLimitHeaders:
         minute = minute_of(now)
         retry_after = seconds_to_next_minute(now)
         if p.rpm == 0:
@@ -86,17 +113,22 @@ class Limiter:
             index_elements=["api_key_id", "minute"],
             set_={"requests": RateWindow.requests + 1},
             where=and_(*conditions),
-        ).returning(RateWindow.requests)
+        ).returning(RateWindow.requests, RateWindow.tokens)
         with self._engine.begin() as conn:
-            admitted = conn.execute(stmt).first() is not None
-            if admitted:
-                return
+            admitted = conn.execute(stmt).first()
+            if admitted is not None:
+                return RateLimitHeaders(p.rpm, p.tpm, admitted.requests, admitted.tokens + pending_tokens,
+                                        retry_after)
             used = conn.execute(select(RateWindow.requests, RateWindow.tokens).where(
                 RateWindow.api_key_id == p.key_id, RateWindow.minute == minute)).one()
         if p.rpm is not None and used.requests >= p.rpm:
-            raise rate_limited(f"Rate limit reached for requests per minute: limit {p.rpm}, used {used.requests}. "
+            err = rate_limited(f"Rate limit reached for requests per minute: limit {p.rpm}, used {used.requests}. "
                                f"Try again in {retry_after}s.", retry_after)
-        raise self._tpm_error(p, used.tokens + pending_tokens, retry_after)
+        else:
+            err = self._tpm_error(p, used.tokens + pending_tokens, retry_after)
+        err.headers.update(RateLimitHeaders(p.rpm, p.tpm, used.requests, used.tokens + pending_tokens,
+                                            retry_after).headers())
+        raise err
 
     @staticmethod
     def _tpm_error(p: Principal, used: int, retry_after: int):  # type: ignore[no-untyped-def]

@@ -15,14 +15,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tollgate import envs
+
 ROOTS_ENV = "TOLLGATE_MODEL_ROOTS"
-DEFAULT_ROOTS = ("/models",)
 SCHEMES = ("pkg:", "random:")
 
 
 def allowed_roots(spec_dir: Path) -> list[Path]:
-    configured = os.environ.get(ROOTS_ENV)
-    extra = [p for p in configured.split(os.pathsep) if p] if configured is not None else list(DEFAULT_ROOTS)
+    extra = [p for p in str(envs.get(ROOTS_ENV)).split(os.pathsep) if p]
     hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
     return [Path(os.path.realpath(p)) for p in (spec_dir, *extra, hf_home)]
 

@@ -46,8 +46,9 @@ async def principal(request: Request) -> Principal:
 
 @router.get("/health")
 async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any]:
-    models = {name: b.info().state for name, b in gw.backends.items()}
-    return {"status": "ok" if all(s == "ready" for s in models.values()) else "degraded", "models": models}
+    infos = {name: b.info() for name, b in gw.backends.items()}
+    ok = all(info.serving for info in infos.values())
+    return {"status": "ok" if ok else "degraded", "models": {name: info.state for name, info in infos.items()}}
 
 
 @router.get("/metrics")
@@ -76,8 +77,11 @@ async def list_models(_: Principal = Depends(principal), gw: Gateway = Depends(g
     data = []
     for name, backend in gw.backends.items():
         info = backend.info()
-        data.append({"id": name, "object": "model", "created": 0, "owned_by": "tollgate",
-                     "max_model_len": info.max_model_len, "state": info.state})
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "tollgate",
+                 "max_model_len": info.max_model_len, "state": info.state}
+        if info.reason:
+            entry["reason"] = info.reason
+        data.append(entry)
     return {"object": "list", "data": data}
 
 
@@ -88,7 +92,7 @@ async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(p
     fmt = ChatFormat(body.logprobs)
     model, route = body.model, None
     if model == AUTO_MODEL:
-        decision = gw.reuse.route(messages, body.max_completion_tokens or body.max_tokens)
+        decision = gw.route(messages, body.max_completion_tokens or body.max_tokens)
         model, route = decision.model, decision
     cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages),
@@ -123,7 +127,9 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         params = to_sampling_params(body)
         backend = gw.backend_for(model)
         if gw.needs_admission(p):
-            await run_in_threadpool(gw.limiter.admit, p)
+            limits = await run_in_threadpool(gw.limiter.admit, p)
+            if limits is not None:
+                headers.update(limits.headers())
         call: Call = gw.new_call(p, model, backend, fmt, body.user, body.tags())
         if route is not None:
             call.route = route.task

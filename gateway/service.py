@@ -17,16 +17,18 @@ from sqlalchemy import Engine
 from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
-from billing.pricing import Prices, request_cost
+from billing.pricing import request_cost
 from cache.namespace import CacheDecision
 from engine.errors import PromptTooLongError
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
+from gateway.deployed import DeployedModels
 from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
+from gateway.router import RouteDecision
 from gateway.sampling import value_error
 
 log = logging.getLogger("tollgate.gateway")
@@ -80,14 +82,12 @@ def short_timeout_engine(db: Engine, timeout_s: float) -> Engine:
 
 
 class Gateway:
-    def __init__(self, db: Engine, backends: dict[str, ModelBackend], prices: dict[str, Prices], *,
-                 key_cache_ttl_s: float = 1.0, ledger_max_batch: int = 1000,
-                 reuse: AnswerReuse | None = None, ledger_spill_dir: Path | None = None,
+    def __init__(self, db: Engine, models: DeployedModels, *, key_cache_ttl_s: float = 1.0,
+                 ledger_max_batch: int = 1000, reuse: AnswerReuse | None = None, ledger_spill_dir: Path | None = None,
                  ledger_max_buffer: int = 10_000, admission_db_timeout_s: float | None = None) -> None:
         self.db = db
-        self.backends = backends
-        self.prices = prices
-        self.reuse = reuse or AnswerReuse(None, [])
+        self.models = models  # replaced whole when deployments change (gateway/deployed.py)
+        self.reuse = reuse or AnswerReuse(None)
         # key lookups and limits read the database on the request path: with it unreachable they give up
         # after admission_db_timeout_s (then fail open, see limits.py), not after the ledger's long wait
         admission_db = db if admission_db_timeout_s is None else short_timeout_engine(db, admission_db_timeout_s)
@@ -99,6 +99,10 @@ class Gateway:
         self.metrics.watch_gpu_idle(db)
         self.metrics.watch_replicas(lambda: {name: b.info().replica_states or {} for name, b in self.backends.items()})
 
+    @property
+    def backends(self) -> dict[str, ModelBackend]:
+        return self.models.backends
+
     def _engine_stats(self) -> dict[str, dict[str, Any]]:
         return {name: b.stats() for name, b in self.backends.items() if hasattr(b, "stats")}
 
@@ -108,10 +112,14 @@ class Gateway:
         backend = self.backends.get(model)
         if backend is None:
             raise model_not_found(model)
-        state = backend.info().state
-        if state != "ready":
-            raise unavailable(f"The model `{model}` is {state}; try again shortly.")
+        info = backend.info()
+        if not info.serving:
+            why = f": {info.reason}" if info.reason else "; try again shortly."
+            raise unavailable(f"The model `{model}` is {info.state}{why}")
         return backend
+
+    def route(self, messages: list[dict[str, Any]], max_tokens: int | None) -> RouteDecision:
+        return self.reuse.route(messages, max_tokens, self.models.route_candidates())
 
     def needs_admission(self, p: Principal) -> bool:
         return any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
@@ -129,7 +137,7 @@ class Gateway:
         try:
             first = await stream.__anext__()
         except PromptTooLongError as e:
-            raise context_length_exceeded(str(e)) from e
+            raise context_length_exceeded(str(e), "max_tokens" if e.max_tokens is not None else "messages") from e
         except ValueError as e:
             raise value_error(e) from e
         except BackendUnavailable as e:
@@ -212,7 +220,7 @@ class Gateway:
     # ---- the ledger -------------------------------------------------------------------------
 
     def _list_price(self, call: Call) -> float:
-        return request_cost(self.prices.get(call.model, Prices()), call.prompt_tokens, call.completion_tokens)
+        return request_cost(self.models.prices(call.model), call.prompt_tokens, call.completion_tokens)
 
     def record(self, call: Call, status: str, error: str | None = None) -> None:
         latency = time.perf_counter() - call.started

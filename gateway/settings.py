@@ -1,68 +1,68 @@
-"""One settings object for the gateway and the `platform` command, read from TOLLGATE_* variables;
-CLI flags override it through `Settings.load(**overrides)`."""
+"""The one settings object of the gateway, the Ray Serve platform and the `platform` command.
+
+Each field is a variable of the registry (tollgate/envs.py: name, type, default, help): field `port`
+is TOLLGATE_PORT, `ray_address` is RAY_ADDRESS. `Settings.load(**overrides)` reads the environment
+through the registry, and CLI flags override it; `Settings(...)` alone takes the registry's defaults."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-_REPO_MODELS_DIR = Path(__file__).resolve().parent.parent / "platform" / "models"
+from billing.ledger_spill import spill_dir_for
+from tollgate import envs
+
+# fields that are not environment variables (set by code or by tests only)
+_NOT_IN_ENV = {"ledger_max_batch"}
 
 
-_ENV = {
-    "home": "TOLLGATE_HOME",
-    "database_url": "TOLLGATE_DATABASE_URL",
-    "admin_key": "TOLLGATE_ADMIN_KEY",
-    "models_dir": "TOLLGATE_MODELS_DIR",
-    "host": "TOLLGATE_HOST",
-    "port": "TOLLGATE_PORT",
-    "max_body_bytes": "TOLLGATE_MAX_BODY_BYTES",
-    "key_cache_ttl_s": "TOLLGATE_KEY_CACHE_TTL_S",
-    "log_level": "TOLLGATE_LOG_LEVEL",
-    "semantic_cache": "TOLLGATE_SEMANTIC_CACHE",
-    "cache_ttl_s": "TOLLGATE_CACHE_TTL_S",
-    "cache_max_entries": "TOLLGATE_CACHE_MAX_ENTRIES",
-    "auth_fail_limit": "TOLLGATE_AUTH_FAIL_LIMIT",
-    "auth_fail_window_s": "TOLLGATE_AUTH_FAIL_WINDOW_S",
-    "ledger_spill_dir": "TOLLGATE_LEDGER_SPILL_DIR",
-    "ledger_max_buffer": "TOLLGATE_LEDGER_MAX_BUFFER",
-    "admission_db_timeout_s": "TOLLGATE_ADMISSION_DB_TIMEOUT_S",
-}
+def env_name(field: str) -> str:
+    return "RAY_ADDRESS" if field == "ray_address" else f"TOLLGATE_{field.upper()}"
+
+
+def _default(field: str) -> Any:
+    return envs.variable(env_name(field)).default
 
 
 class Settings(BaseModel):
     model_config = ConfigDict(validate_assignment=True)
 
-    home: Path = Field(default_factory=lambda: Path("~/.tollgate").expanduser())
-    database_url: str | None = None  # None: sqlite file under home
+    # ---- state ----
+    home: Path = Field(default_factory=lambda: _default("home"))
+    database_url: str | None = None  # None: SQLite file under home
+    models_dir: Path = _default("models_dir")
+    ledger_spill_dir: Path | None = None  # None: home/ledger-spill
+    # ---- gateway ----
+    host: str = _default("host")
+    port: int = Field(_default("port"), ge=1, le=65535)
     admin_key: SecretStr | None = None
-    models_dir: Path = _REPO_MODELS_DIR
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 4 * 1024 * 1024
-    key_cache_ttl_s: float = 1.0  # how long a revoked key may still pass in a process that saw it valid
-    ledger_max_batch: int = 1000
-    # usage events that cannot reach the database wait in memory up to ledger_max_buffer, then in
-    # JSONL files under ledger_spill_dir (default home/ledger-spill), one subdirectory per database
-    ledger_max_buffer: int = Field(10_000, ge=1)
-    ledger_spill_dir: Path | None = None
-    # how long key lookups and rate/budget checks wait for an unreachable database before failing open
-    admission_db_timeout_s: float = Field(2.0, gt=0)
-    log_level: str = "info"
-    semantic_cache: bool = True  # answer repeated questions from the cache (kept under home/cache)
-    cache_ttl_s: float = 7 * 24 * 3600
-    cache_max_entries: int = 200_000
-    # failed authentications one client address may make per window before the next ones get 429
-    auth_fail_limit: int = Field(20, ge=1)
-    auth_fail_window_s: float = Field(60.0, gt=0)
-
+    log_level: str = _default("log_level")
+    max_body_bytes: int = Field(_default("max_body_bytes"), ge=1)
+    key_cache_ttl_s: float = Field(_default("key_cache_ttl_s"), ge=0)
+    auth_fail_limit: int = Field(_default("auth_fail_limit"), ge=1)
+    auth_fail_window_s: float = Field(_default("auth_fail_window_s"), gt=0)
+    admission_db_timeout_s: float = Field(_default("admission_db_timeout_s"), gt=0)
+    ledger_max_buffer: int = Field(_default("ledger_max_buffer"), ge=1)
+    ledger_max_batch: int = Field(1000, ge=1)
+    drain_s: float = Field(_default("drain_s"), ge=0)
+    # ---- semantic cache ----
+    semantic_cache: bool = _default("semantic_cache")
+    cache_ttl_s: float = Field(_default("cache_ttl_s"), gt=0)
+    cache_max_entries: int = Field(_default("cache_max_entries"), ge=1)
+    # ---- Ray Serve platform ----
+    ray_address: str | None = None
+    cold_start_timeout_s: float = Field(_default("cold_start_timeout_s"), gt=0)
+    retry_after_s: int = Field(_default("retry_after_s"), ge=1)
+    interval_flush_s: float = Field(_default("interval_flush_s"), gt=0)
+    registry_refresh_s: float = Field(_default("registry_refresh_s"), gt=0)
 
     @classmethod
-    def load(cls, env: dict[str, str] | None = None, **overrides: object) -> "Settings":
-        env = os.environ if env is None else env
-        values: dict[str, object] = {name: env[var] for name, var in _ENV.items() if env.get(var)}
+    def load(cls, **overrides: object) -> "Settings":
+        """The environment's values (through the registry), then the overrides that are not None."""
+        values: dict[str, object] = {name: envs.get(env_name(name)) for name in cls.model_fields
+                                     if name not in _NOT_IN_ENV and envs.is_set(env_name(name))}
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         settings.home = Path(settings.home).expanduser()
@@ -74,6 +74,4 @@ class Settings(BaseModel):
 
     @property
     def ledger_spill_path(self) -> Path:
-        from billing.ledger_spill import spill_dir_for
-
         return spill_dir_for(Path(self.ledger_spill_dir or self.home / "ledger-spill").expanduser(), self.db_url)

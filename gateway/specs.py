@@ -4,6 +4,7 @@ its field path (`autoscaling.max_replicas: ...`)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,13 +88,30 @@ class ModelSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _gpus_for_tensor_parallel(self) -> "ModelSpec":
-        tp = self.engine.get("tensor_parallel_size", 1)
+    def _engine_config(self) -> "ModelSpec":
+        """The engine block is checked whole, as the replica will build it, so a bad value is refused here
+        and not inside a replica's cold start."""
+        config = engine_config(self)
         gpus = self.resources.num_gpus
-        if isinstance(tp, int) and gpus > 0 and tp > gpus:
-            raise ValueError(f"engine.tensor_parallel_size: {tp} ranks need {tp} GPUs per replica, "
-                             f"resources.num_gpus is {gpus:g}")
+        if gpus > 0 and config.tensor_parallel_size > gpus:
+            raise ValueError(f"engine.tensor_parallel_size: {config.tensor_parallel_size} ranks need "
+                             f"{config.tensor_parallel_size} GPUs per replica, resources.num_gpus is {gpus:g}")
         return self
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.get("max_model_len")
+
+
+def engine_config(spec: ModelSpec) -> EngineConfig:
+    """The spec's EngineConfig; a bad value is a ValueError `engine.<field>: ...`."""
+    try:
+        return EngineConfig.from_kwargs(spec.source, **spec.engine)
+    except (ValueError, TypeError) as e:
+        field, sep, problem = str(e).partition(": ")
+        if sep and all(part.isidentifier() for part in field.split(".")):
+            raise ValueError(f"engine.{field}: {problem}") from None
+        raise ValueError(f"engine: {e}") from None
 
 
 class SpecError(ValueError):
@@ -174,10 +192,46 @@ def _with_checked_paths(spec: ModelSpec, spec_dir: Path, source: str) -> ModelSp
     return checked
 
 
-def load_specs(directory: str | Path) -> list[ModelSpec]:
-    specs = [load_spec(p) for p in sorted(Path(directory).glob("*.y*ml"))]
-    names = [s.name for s in specs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"{directory}: model names used twice: {duplicates}")
-    return specs
+def check_source(spec: ModelSpec) -> None:
+    """SpecError `source: ...` (or `engine.tokenizer: ...`) unless the weights are there and their config
+    reads: a path that exists, a package that is installed and holds a model, a config the engine parses."""
+    from engine.loader import read_model_config, resolve_model_source
+
+    problems = []
+    try:
+        read_model_config(spec.source)
+    except ValueError as e:
+        problems.append(f"source: {e}")
+    tokenizer = spec.engine.get("tokenizer")
+    if isinstance(tokenizer, str):
+        try:
+            resolve_model_source(tokenizer)
+        except ValueError as e:
+            problems.append(f"engine.tokenizer: {e}")
+    if problems:
+        raise SpecError(f"model {spec.name}", problems)
+
+
+@dataclass
+class SpecFiles:
+    """The valid specs of a directory, and why each other file was left out: one bad file never keeps
+    the others from being served."""
+
+    specs: list[ModelSpec]
+    errors: dict[str, str]
+
+
+def load_specs(directory: str | Path) -> SpecFiles:
+    specs: list[ModelSpec] = []
+    errors: dict[str, str] = {}
+    for path in sorted(Path(directory).glob("*.y*ml")):
+        try:
+            spec = load_spec(path)
+        except (SpecError, OSError) as e:
+            errors[str(path)] = str(e)
+            continue
+        if any(s.name == spec.name for s in specs):
+            errors[str(path)] = f"{path}: model name {spec.name!r} is used by an earlier spec in {directory}"
+            continue
+        specs.append(spec)
+    return SpecFiles(specs, errors)

@@ -1,26 +1,23 @@
 """Ops used by the engine: Triton kernels on CUDA, the PyTorch references in `reference.py` elsewhere.
 
-Each op takes the Triton path when its tensors are on CUDA and Triton imports; the environment
-variable TOLLGATE_KERNELS=reference forces the references. On Hopper the kernels of a decode step launch with
-programmatic dependent launch (kernels/pdl.py; TOLLGATE_PDL=0 turns it off). Triton and the kernel modules are
-imported on the first CUDA call, so CPU-only processes never import Triton.
-
-kernels.paged_attention is the op below, not the module kernels/paged_attention.py (the decode
-kernel): import from that module with `from kernels.paged_attention import decode_attention`.
+Each op takes the Triton path when its tensors are on CUDA and Triton imports; the setting
+TOLLGATE_KERNELS=reference (tollgate/envs.py) forces the references. On Hopper the kernels of a decode step launch
+with programmatic dependent launch (kernels/pdl.py). Triton and the kernel modules are imported on the first CUDA
+call, so CPU-only processes never import Triton. No kernel module is named like an op: importing a module binds it
+in this package under its name.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
-import sys
 import types
 
 import torch
 import torch.nn.functional as F
 
 from kernels import reference as _ref
+from tollgate import envs
 
 __all__ = [
     "add_rms_norm",
@@ -46,18 +43,6 @@ __all__ = [
 ]
 
 
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        # Importing kernels/paged_attention.py binds the module under its name in this package;
-        # keep the op there instead.
-        if name == "paged_attention" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 @functools.lru_cache(maxsize=1)
 def _triton_modules() -> types.SimpleNamespace | None:
     try:
@@ -70,7 +55,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("argmax", "row_argmax"),
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
-                ("decode", "paged_attention"),
+                ("decode", "flash_decode"),
                 ("embedding", "embedding"),
                 ("gemv", "gemv"),
                 ("gemv_configs", "gemv_configs"),
@@ -87,7 +72,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
 
 
 def _forced_reference() -> bool:
-    return os.environ.get("TOLLGATE_KERNELS", "").lower() == "reference"
+    return envs.get("TOLLGATE_KERNELS") == "reference"
 
 
 def triton_available() -> bool:
@@ -310,14 +295,16 @@ def int4_linear(
     gated: bool = False,
     norm: Norm | None = None,
     residual: torch.Tensor | None = None,
+    int8_activations: bool = True,
 ) -> torch.Tensor:
     """x [..., K] times the int4 weight (qweight [N, K/8] int32, scales / zeros [N, K/G]), plus bias; gated: silu(gate)
-    * up of a fused gate_up weight [2N, K] -> [..., N], in the GEMV at one row; norm and residual as in linear."""
+    * up of a fused gate_up weight [2N, K] -> [..., N], in the GEMV at one row; norm and residual as in linear.
+    int8_activations: one bf16 row on CUDA may round x to int8 for the DP4A GEMV (kernels/gemv_int4_a8.py)."""
     if gated and residual is not None:
         raise ValueError("int4_linear: a gated projection takes no residual")
     if ops := _triton_for(x):
         return ops.int4_matmul.int4_linear(x, qweight, scales, zeros, group_size, bias, gated=gated, norm=norm,
-                                           residual=residual)
+                                           residual=residual, int8_activations=int8_activations)
     out = norm_project_add(lambda h: _ref.int4_linear(h, qweight, scales, zeros, group_size, bias), x, norm,
                            residual)
     return _ref.silu_and_mul(out) if gated else out

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.reference import check_kv_scales
+from kernels.kv_layout import check_kv_scales
 
 _NO_QUANT, _INT8, _FP8 = 0, 1, 2
 

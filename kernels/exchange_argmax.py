@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.all_reduce_norm import PATIENT_SPINS
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.reference import ARGMAX_CHUNK, check_candidate_inputs
+from kernels.formats import ARGMAX_CHUNK, check_candidate_inputs
 from kernels.row_argmax import chunk_best
 from kernels.stamped_words import cell_start, check_exchange_call, missing_stamps, stamped
 

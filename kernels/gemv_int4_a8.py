@@ -28,13 +28,13 @@ taken on bf16 pairs, the scale multiplied rather than divided, and the shape com
 to 440 instructions at gate_up; with a warp reduction that halves the rows a lane holds at each exchange (9 shuffles
 for 8 rows instead of 40), batch-1 int4 decode of Llama-3-8B went from 2.46x to 2.545x of bf16 (BENCHMARKS.md).
 
-On by default; TOLLGATE_INT4_A8=0 keeps every int4 GEMV on the half-precision kernel (bf16 activations)."""
+kernels.int4_linear takes it by default; int8_activations=False there (EngineConfig.int4_int8_activations) keeps
+every int4 GEMV on the half-precision kernel (bf16 activations)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -273,9 +273,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemv_int4_a8(
 """
 
 
-def enabled() -> bool:
-    """Whether int4 GEMVs may take this kernel: TOLLGATE_INT4_A8 is not 0 and PyTorch's NVRTC wrapper exists."""
-    return os.environ.get("TOLLGATE_INT4_A8") != "0" and hasattr(torch.cuda, "_compile_kernel")
+def available() -> bool:
+    """Whether PyTorch's NVRTC wrapper, which compiles this kernel, exists."""
+    return hasattr(torch.cuda, "_compile_kernel")
 
 
 def threads_for(rows: int, k: int) -> int:
@@ -359,7 +359,7 @@ def takes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: t
           residual: torch.Tensor | None = None) -> bool:
     """Whether gemv_int4_a8 runs this call: CUDA tensors it reads as they are, on a device where its variant compiled
     (compiled here on first use)."""
-    if not (x.is_cuda and enabled()) or problem(x, qweight, scales, zeros, group_size, bias, gated, norm, residual):
+    if not (x.is_cuda and available()) or problem(x, qweight, scales, zeros, group_size, bias, gated, norm, residual):
         return False
     return _kernel(*_variant(x, qweight, group_size, bias, gated, norm, residual)) is not None
 

@@ -1,9 +1,9 @@
 """Weight-only int4 linear, groups of G along K with zero points (the AWQ/GPTQ scheme):
 W[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], q packed eight to an int32 along K
-(qweight [N, K/8], nibble i of word j is column 8j + i; see kernels/reference.py).
+(qweight [N, K/8], nibble i of word j is column 8j + i; see kernels/formats.py).
 
 One bf16 row on CUDA runs kernels/gemv_int4_a8.py (activations rounded to int8 in runs of 16, DP4A), or
-kernels/gemv_int4.py (half precision) where that kernel cannot take the tensors or TOLLGATE_INT4_A8=0. Up to
+kernels/gemv_int4.py (half precision) where that kernel cannot take the tensors or int8_activations=False. Up to
 GEMV_MAX_M rows of any float dtype run the float32 GEMV here, which turns nibbles into floats without an
 int-to-float conversion: the nibble is OR-ed into the top mantissa bits of 16.0, giving the float 16 + q exactly,
 and per word scale and zero point apply once: sum_i (q_i - z) * s * x_i = s * (sum_i (16 + q_i) x_i - (16 + z)
@@ -213,10 +213,11 @@ def int4_linear(
     max_gemm_m: int | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    int8_activations: bool = True,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight, scales, zeros)^T + bias -> [..., N] in x.dtype: one bf16 row through
-    kernels/gemv_int4_a8.py where it takes the tensors and no gemv config is given, else through
-    kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
+    kernels/gemv_int4_a8.py where int8_activations is set, it takes the tensors and no gemv config is given, else
+    through kernels/gemv_int4.py (config: gemv, else kernels/gemv_configs.py's rule), up to max_gemv_m rows through the
     float32 GEMV (autotuned on CUDA per (N, K) without a config), up to max_gemm_m (default: GEMM_MAX_ROWS on
     layers of GEMM_MIN_N outputs or more, else none) through the tensor-core GEMM, more through dequantize + cuBLAS.
     gated: silu of the first N / 2 outputs times the last N / 2 -> [..., N / 2] (a fused gate_up projection).
@@ -224,7 +225,7 @@ def int4_linear(
     one-row GEMV, separate kernels elsewhere)."""
     n, k = _check(x, qweight, scales, zeros, group_size)
     a8_norm = None if gated else norm  # at gate_up's width the norm kernel first is faster (BENCHMARKS.md)
-    if (x.numel() == k and max_gemv_m and gemv is None
+    if (int8_activations and x.numel() == k and max_gemv_m and gemv is None
             and gemv_int4_a8.takes(x, qweight, scales, zeros, group_size, bias, gated, a8_norm, residual)):
         if norm is not a8_norm:
             x = rms_norm(x, *norm)
@@ -240,7 +241,8 @@ def int4_linear(
         raise ValueError("int4_linear: a gated projection takes no residual")
     if norm is not None or residual is not None:
         unfused = partial(int4_linear, qweight=qweight, scales=scales, zeros=zeros, group_size=group_size, bias=bias,
-                          gated=gated, gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m)
+                          gated=gated, gemv=gemv, gemm=gemm, max_gemv_m=max_gemv_m, max_gemm_m=max_gemm_m,
+                          int8_activations=int8_activations)
         return norm_project_add(unfused, x, norm, residual, rms_norm)
     if max_gemm_m is None:
         max_gemm_m = GEMM_MAX_ROWS if n >= GEMM_MIN_N else max_gemv_m

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import unpack_int4
+from kernels.formats import unpack_int4
 
 INNER_K_TILES = 8
 GROUP_SIZES = (32, 64, 128, 256)
@@ -30,7 +30,7 @@ def tinygemm_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torc
 
 def pack_for_tinygemm(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our [N, K/8] int32 nibbles (see kernels/reference.py) -> tinygemm's packed weight and scales/zeros."""
+    """Our [N, K/8] int32 nibbles (see kernels/formats.py) -> tinygemm's packed weight and scales/zeros."""
     q = unpack_int4(qweight)
     pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]: even column in the high nibble
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INNER_K_TILES)

@@ -14,7 +14,7 @@ while they wait, cost 1-17%. Decode attention, its split reduction and the norm,
 kernel launch once their main work is done and only their stores are left: +0.5% in int4, +0.2% in bf16
 (BENCHMARKS.md).
 
-On by default on compute capability >= 9; TOLLGATE_PDL=0 turns it off."""
+On wherever the device has compute capability >= 9, except in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _capable(device_index: int) -> bool:
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels working on t launch with PDL."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TOLLGATE_PDL") == "0":
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

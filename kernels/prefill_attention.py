@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend_tile
-from kernels.paged_attention import check_paged_inputs, kv_scale_args
+from kernels.flash_decode import check_paged_inputs, kv_scale_args
 
 LOG2E = math.log2(math.e)
 

@@ -9,13 +9,24 @@ Shapes (T tokens in a flattened batch, B sequences, H query heads, G KV heads, D
   Quantized KV cache (int8 or float8_e4m3fn pages): kv_scales [2, G] float32, the K and V scale of each
   KV head; a stored value times its head's scale is the key or value.
 Weight-only quantized linears (int8 per output channel; int4 in groups along K with zero points):
-  see dequantize_int8 and dequantize_int4 for the layouts.
+  see dequantize_int8 and dequantize_int4 for the layouts (kernels/formats.py packs int4).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.formats import (
+    ARGMAX_CHUNK,
+    STEP_HEADER_WORDS,
+    check_candidate_inputs,
+    check_candidates,
+    check_step_buffers,
+    step_tables_offset,
+    unpack_int4,
+)
+from kernels.kv_layout import check_kv_scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,23 +77,6 @@ def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torc
     return out.masked_fill_(outside.unsqueeze(-1), 0)
 
 
-STEP_HEADER_WORDS = 4  # a staged step's sequences, block-table width, previous tokens' address (0: none), unused
-
-
-def step_tables_offset(num_seqs: int, tokens_per_seq: int) -> int:
-    """Where a staged step's block tables start, in int32 words: after the header and the packed int64 sections
-    (token ids, positions, slots, previous-step rows, sequence ends, query starts), 16-byte aligned."""
-    words = STEP_HEADER_WORDS + 4 * num_seqs * tokens_per_seq + 2 * num_seqs + 1
-    return -(-words // 2) * 4
-
-
-def check_step_buffers(staging: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
-    if staging.dtype != torch.int64 or not staging.is_contiguous():
-        raise ValueError("staging: a contiguous int64 buffer expected")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1 or seq_lens.dtype != torch.int32:
-        raise ValueError("block_tables and seq_lens: int32 expected, the tables with rows of unit stride")
-
-
 def unpack_step_inputs(staging: torch.Tensor, previous: torch.Tensor | None, input_ids: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                        block_tables: torch.Tensor, batch_size: int, tokens_per_seq: int) -> None:
@@ -106,22 +100,6 @@ def unpack_step_inputs(staging: torch.Tensor, previous: torch.Tensor | None, inp
     seq_lens[n:batch_size] = q
     start = step_tables_offset(n, q)
     block_tables[:n, :width] = staging.view(torch.int32)[start: start + n * width].view(n, width)
-
-
-ARGMAX_CHUNK = 4096  # columns a candidate of argmax_candidates covers
-
-
-def check_candidate_inputs(x: torch.Tensor, offset: int, width: int) -> None:
-    if x.dim() != 2 or not 0 <= x.shape[1] <= width:
-        raise ValueError(f"argmax_candidates: x [N, V] with V <= width {width} expected, got {tuple(x.shape)}")
-    if offset < 0 or offset + width >= 1 << 24:
-        raise ValueError(f"argmax_candidates: indices offset..offset + width must lie in [0, 2^24) (exact in "
-                         f"float32), got {offset}..{offset + width}")
-
-
-def check_candidates(candidates: torch.Tensor) -> None:
-    if candidates.dim() != 4 or candidates.shape[-1] != 2:
-        raise ValueError(f"pick_argmax_candidate: candidates [S, N, C, 2] expected, got {tuple(candidates.shape)}")
 
 
 def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:
@@ -170,18 +148,8 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
-QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 FP8_E4M3_MAX = 448.0
 INT8_KV_MAX = 127.0
-
-
-def check_kv_scales(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor | None:
-    """kv_scales when the cache is quantized (then they are required), else None."""
-    if cache.dtype not in QUANTIZED_KV_DTYPES:
-        return None
-    if kv_scales is None or kv_scales.shape != (2, cache.shape[2]):
-        raise ValueError(f"kv_scales: a {cache.dtype} KV cache needs scales of shape (2, {cache.shape[2]})")
-    return kv_scales
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -336,26 +304,6 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, dequantize_int8(qweight, scales, x.dtype), bias)
-
-
-INT4_PER_WORD = 8
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """[N, K/8] int32 -> [N, K] int32 in 0..15: nibble i (bits 4i..4i+3) of word j holds column 8j + i."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
-    return ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """Inverse of unpack_int4: [N, K] integers in 0..15 -> [N, K/8] int32."""
-    n, k = values.shape
-    if k % INT4_PER_WORD:
-        raise ValueError(f"qweight: K={k} is not a multiple of {INT4_PER_WORD}")
-    nibbles = values.to(torch.int64).reshape(n, k // INT4_PER_WORD, INT4_PER_WORD)
-    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
-    words = (nibbles << shifts).sum(dim=-1)  # < 2**32: the nibbles do not overlap
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def dequantize_int4(

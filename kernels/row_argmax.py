@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.reference import ARGMAX_CHUNK, check_candidate_inputs, check_candidates
+from kernels.formats import ARGMAX_CHUNK, check_candidate_inputs, check_candidates
 
 CHUNK = ARGMAX_CHUNK
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.reference import STEP_HEADER_WORDS, check_step_buffers
+from kernels.formats import STEP_HEADER_WORDS, check_step_buffers
 
 TABLE_BLOCK = 256
 

@@ -5,7 +5,6 @@ CPU engine runs exactly as before."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,7 +21,6 @@ class TensorParallel:
     size: int = 1
     device_group: Any = None  # NCCL on GPUs, gloo on CPU: the collectives inside the forward pass
     cpu_group: Any = None  # gloo: host-side messages (each step's inputs, the KV pool size)
-    fast_all_reduce: Any = None  # SymmetricAllReduce for small bf16 tensors on GPUs, when it works
     fused_norm: Any = None  # FusedAllReduceNorm (engine/distributed/peer_exchange.py) on GPUs, when it works
 
     @property
@@ -38,8 +36,6 @@ class TensorParallel:
         """The sum over ranks; may return a new tensor rather than reduce `x` in place."""
         if self.size == 1:
             return x
-        if self.fast_all_reduce is not None and self.fast_all_reduce.handles(x):
-            return self.fast_all_reduce(x)
         dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -116,15 +112,7 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) 
                             world_size=size, timeout=_COLLECTIVE_TIMEOUT)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    fast = None
-    # Opt-in: 7 us instead of NCCL's 17 us per decode all-reduce on two H200s, but a second tensor-parallel
-    # engine in the same process hung once the first had set symmetric memory up (BENCHMARKS.md).
-    if on_gpu and os.environ.get("TOLLGATE_TP_ALL_REDUCE", "nccl") == "symmetric":
-        from engine.distributed.symmetric_all_reduce import try_symmetric_all_reduce
-
-        fast = try_symmetric_all_reduce(device_group, device)
-    return TensorParallel(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group,
-                          fast_all_reduce=fast)
+    return TensorParallel(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -13,7 +13,6 @@ the whole logits, and every rank falls back to NCCL unless all of them pass."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -117,8 +116,6 @@ def try_fused_all_reduce_norm(tp, device: torch.device, hidden: int, dtype: torc
     vocabulary shards' rows, the exchanged argmax with argmax over the whole logits), else None.
     Every rank makes the same host collectives whatever fails where, and no rank's kernel waits on a peer that has
     given up, so a failure cannot hang the group."""
-    if os.environ.get("TOLLGATE_TP_FUSED_NORM", "1") == "0":
-        return None
     fused, shared = None, None
     try:
         fused = FusedAllReduceNorm(tp.rank, tp.size, device, hidden, dtype, vocab_shard_rows)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.model_config import ModelConfig, parameter_shapes
-from kernels.reference import pack_int4, unpack_int4
+from kernels.formats import pack_int4, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 QUANTIZED_PARTS = ("qweight", "qzeros", "scales")

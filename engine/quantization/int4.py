@@ -13,10 +13,10 @@ import kernels as ops
 from kernels import int4_tinygemm as tinygemm
 from engine.distributed.parallel_state import SINGLE
 from engine.models.linear import shard_tensor
-from kernels.reference import dequantize_int4, pack_int4
+from kernels.formats import pack_int4
+from kernels.reference import dequantize_int4
 
 INT4_MAX = 15
-DEFAULT_GROUP_SIZE = 128
 _GROUP_SIZES = (128, 64, 32, 16, 8)
 
 
@@ -54,6 +54,8 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # tinygemm's copy of the weight for decode batches of 2-16 rows on a GPU (prepare_for_decode); None elsewhere
         self.tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
+        # one bf16 row on a GPU may round its activations to int8 (EngineConfig.int4_int8_activations)
+        self.int8_activations = True
         # under tensor parallelism, the slice of a checkpoint's tensors this rank loads (see shard_of)
         self.tp = SINGLE
         self.shard_dim: int | None = None
@@ -113,11 +115,11 @@ class Int4Linear(nn.Module):
             return ops.norm_project_add(
                 lambda h: tinygemm.tinygemm_linear(h, *self.tinygemm, self.group_size, self.bias), x, norm, residual)
         return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, norm=norm,
-                               residual=residual)
+                               residual=residual, int8_activations=self.int8_activations)
 
     def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
         """silu(gate) * up of a fused gate_up projection; one row on a GPU in the GEMV's epilogue."""
         if x.numel() == x.shape[-1]:
             return ops.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, gated=True,
-                                   norm=norm)
+                                   norm=norm, int8_activations=self.int8_activations)
         return ops.silu_and_mul(self(x, norm=norm))

@@ -122,4 +122,7 @@ def load_weights(model: nn.Module, loaded, config) -> None:
         model.load_weights(loaded.weights)
         if method is not None:
             quantize_model_(model, method)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.int8_activations = config.int4_int8_activations
     calibrate_kv_cache_(model, config.kv_cache_dtype, loaded.tokenizer, config.block_size)

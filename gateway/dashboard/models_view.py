@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
 
-from billing.models import ModelDeployment
+from billing.deployments import deployments
 from gateway.backends import ModelBackend
 
 
@@ -16,6 +15,7 @@ from gateway.backends import ModelBackend
 class ModelRow:
     name: str
     state: str
+    reason: str | None
     max_model_len: int | None
     live_replicas: int
     min_replicas: int | None
@@ -35,14 +35,13 @@ def live_replicas(backend: ModelBackend) -> int:
 
 
 def model_rows(db: Engine, backends: dict[str, ModelBackend]) -> list[ModelRow]:
-    with Session(db) as s:
-        deployments = {d.name: d for d in s.scalars(select(ModelDeployment))}
+    recorded = deployments(db)
     rows = []
     for name, backend in sorted(backends.items()):
         info = backend.info()
-        dep = deployments.get(name)
-        scaling = (dep.spec or {}).get("autoscaling", {}) if dep is not None else {}
-        rows.append(ModelRow(name, info.state, info.max_model_len, live_replicas(backend),
+        dep = recorded.get(name)
+        scaling = dep.spec.get("autoscaling", {}) if dep is not None else {}
+        rows.append(ModelRow(name, info.state, info.reason, info.max_model_len, live_replicas(backend),
                              scaling.get("min_replicas"), scaling.get("max_replicas"),
                              dep.input_per_1m if dep else 0.0, dep.output_per_1m if dep else 0.0,
                              dep.gpu_hour if dep else 0.0))

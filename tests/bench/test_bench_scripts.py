@@ -48,9 +48,11 @@ def test_throughput_with_hf(tmp_path) -> None:
 
 def test_decode_latency(tmp_path) -> None:
     result = decode_latency.main(["--model", "random:llama-tiny", "--device", "cpu", "--prompt-len", "8",
-                                  "--output-len", "6", "--repeats", "1", "--max-model-len", "64"])
+                                  "--output-len", "6", "--repeats", "1", "--max-model-len", "64",
+                                  "--no-int4-int8-activations"])
     assert result["decode_tok_s"] > 0 and result["weight_bytes"] >= result["weight_bytes_read_per_token"] > 0
     assert "mbu" not in result  # no copy bandwidth on CPU
+    assert result["int4_int8_activations"] is False and "tp_fused_norm" not in result  # the switches turned off
 
 
 def test_engine_start(tmp_path) -> None:

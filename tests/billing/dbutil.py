@@ -3,7 +3,6 @@ database named by TOLLGATE_TEST_DATABASE_URL (so parallel runs never see each ot
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,13 +11,14 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from billing.migrate import upgrade
+from tollgate import envs
 
 PG_URL_VAR = "TOLLGATE_TEST_DATABASE_URL"
 
 
 @contextmanager
 def fresh_database(tmp_dir: Path, migrate: bool = True) -> Iterator[str]:
-    base = os.environ.get(PG_URL_VAR)
+    base = envs.get(PG_URL_VAR)
     if not base:
         url = f"sqlite:///{tmp_dir / f'tollgate-{uuid.uuid4().hex[:8]}.db'}"
         if migrate:

@@ -124,3 +124,29 @@ def test_a_step_that_fails_to_launch_keeps_the_tokens_in_flight(tiny_llama_dir):
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert [done[str(i)] for i in range(3)] == expected
     assert engine.kv.num_used_blocks == 0
+
+
+def test_each_step_takes_the_token_path_its_sequences_allow(tiny_llama_dir):
+    """ModelRunner.token_path: plain steps of an async engine defer their tokens, a step returning logprobs and every
+    step of a synchronous engine sample at once, steps that verify drafts go through rejection sampling."""
+    from unittest import mock
+
+    from engine.runner import TokenPath
+
+    def paths(params: SamplingParams, **config) -> set[TokenPath]:
+        engine = LLM(tiny_llama_dir, **config).engine
+        seen = []
+        original = engine.runner.token_path
+        with mock.patch.object(engine.runner, "token_path", lambda *a: seen.append(original(*a)) or seen[-1]):
+            engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        return set(seen)
+
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert paths(plain) == {TokenPath.DEFERRED}
+    assert paths(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)) == {TokenPath.SAMPLED}
+    assert paths(plain, async_scheduling=False) == {TokenPath.SAMPLED}
+    speculative = paths(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert TokenPath.SPECULATIVE in speculative and TokenPath.DEFERRED not in speculative

@@ -32,7 +32,9 @@ def test_sampling_params_name_the_field(field, kwargs):
 @pytest.mark.parametrize(
     "field, kwargs",
     [("block_size", dict(block_size=10)), ("max_num_seqs", dict(max_num_seqs=0)),
-     ("gpu_memory_utilization", dict(gpu_memory_utilization=1.5)), ("dtype", dict(dtype="int3"))],
+     ("gpu_memory_utilization", dict(gpu_memory_utilization=1.5)), ("dtype", dict(dtype="int3")),
+     ("tp_greedy_on_shards", dict(tp_greedy_on_shards="no")), ("tp_fused_norm", dict(tp_fused_norm=0)),
+     ("int4_int8_activations", dict(int4_int8_activations=None))],
 )
 def test_engine_config_names_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
@@ -97,3 +99,30 @@ def test_async_bad_request_raises_before_first_yield(tiny_llama_dir):
     finally:
         engine.shutdown()
     assert rejected and last.finished and len(last.outputs[0].token_ids) == 8
+
+
+def test_served_requests_whose_max_tokens_pass_the_context_are_refused(tiny_llama_dir):
+    """AsyncEngine (the serving path) refuses max_tokens beyond what the context leaves, as vLLM's server
+    does, instead of capping it; the offline LLM still stops at the context's end."""
+    engine = AsyncEngine.from_config(EngineConfig(model=tiny_llama_dir, max_model_len=64, num_kv_blocks=16))
+
+    async def first(prompt, max_tokens):  # type: ignore[no-untyped-def]
+        stream = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return [out async for out in stream][-1]
+
+    try:
+        prompt = list(range(10, 30))  # 20 tokens
+        with pytest.raises(PromptTooLongError, match="max_tokens: .* 64 tokens, but 65 were requested") as e:
+            asyncio.run(first(prompt, 45))
+        assert (e.value.num_prompt_tokens, e.value.max_tokens) == (20, 45)
+        assert len(asyncio.run(first(prompt, 44)).outputs[0].token_ids) == 44  # exactly full is fine
+    finally:
+        engine.shutdown()
+
+
+def test_prompt_too_long_survives_pickling():
+    import pickle
+
+    for e in (PromptTooLongError(70, 64), PromptTooLongError(20, 64, 45)):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is PromptTooLongError and str(back) == str(e) and back.max_tokens == e.max_tokens

@@ -113,15 +113,18 @@ def test_dependent_launches_change_no_token(tiny_llama_dir, monkeypatch, quantiz
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 40, 71, 5)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    from kernels import pdl
+
     tokens = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("TOLLGATE_PDL", switch)
+    for dependent in (True, False):
+        if not dependent:
+            monkeypatch.setattr(pdl, "enabled", lambda t: False)  # every kernel launched the ordinary way
         llm = LLM(tiny_llama_dir, device="cuda", dtype="bfloat16", num_kv_blocks=128, quantization=quantization)
         # one sequence at a time is batch-1 decode, where the one-row GEMVs run; then all together
-        tokens[switch] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        tokens[switch] += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens[dependent] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        tokens[dependent] += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.close()
-    assert tokens["1"] == tokens["0"]
+    assert tokens[True] == tokens[False]
 
 
 def test_device_inputs_staged_in_one_copy_equal_the_host_arrays():

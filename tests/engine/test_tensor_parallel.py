@@ -1,7 +1,6 @@
 """Tensor parallelism on CPU: two gloo processes split a tiny model by heads, MLP columns and vocabulary
 rows; their gathered logits equal one process's within float32 tolerance and greedy tokens are identical."""
 
-import os
 from unittest import mock
 
 import pytest
@@ -20,9 +19,9 @@ CASES = {
 }
 
 
-def _engine(path: str, tp: int, **quantized) -> LLMEngine:
+def _engine(path: str, tp: int, **fields) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=24,
-                                    num_kv_blocks=64, block_size=16, **quantized))
+                                    num_kv_blocks=64, block_size=16, **fields))
     assert engine.overlap  # async steps: at TP > 1 rank 1 reads each pending input token from rank 0 or its own
     return engine
 
@@ -30,10 +29,9 @@ def _engine(path: str, tp: int, **quantized) -> LLMEngine:
 def _run(path: str, tp: int, prompts: dict[str, list[int]], **quantized):
     """Outputs and logits of greedy requests. The logits are gathered only when the ranks do not pick greedy
     tokens from their shards, so that is turned off here (test_greedy_tokens_picked_on_shards covers it)."""
-    engine = _engine(path, tp, **quantized)
+    engine = _engine(path, tp, tp_greedy_on_shards=False, **quantized)
     try:
-        with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "0"}):
-            outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
+        outputs, captured = run_and_capture_logits(engine, prompts, max_tokens=12)
         assert engine.kv.num_used_blocks == 0
         return outputs, captured
     finally:

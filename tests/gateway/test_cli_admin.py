@@ -1,4 +1,4 @@
-"""`platform admin create-key` through a parser built here with cli_admin.register."""
+"""`platform admin create-key` through a parser built here with gateway.cli.admin.register."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from billing.accounts import hash_key
 from billing.admin_keys import ENV_KEY_ID, check_admin_key
 from billing.db import make_engine
 from billing.models import AdminKey
-from gateway.cli_admin import register
+from gateway.cli.admin import register
 from gateway.settings import Settings
 
 
 def test_create_key_prints_it_once_and_stores_only_its_hash(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"  # not migrated: the command upgrades the database itself
     parser = argparse.ArgumentParser(prog="platform")
-    register(parser.add_subparsers(required=True), lambda _args: Settings(home=tmp_path, database_url=url))
+    register(parser.add_subparsers(required=True))
     args = parser.parse_args(["admin", "create-key", "--name", "ops"])
-    assert args.func(args) == 0
+    assert args.func(args, Settings(home=tmp_path, database_url=url)) == 0
     out = capsys.readouterr()
     key = out.out.strip()
     assert key.startswith("tga-") and len(key) > 40 and key not in out.err

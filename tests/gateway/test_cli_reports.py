@@ -1,4 +1,4 @@
-"""`platform invoice` and `platform report` through a parser built here with cli_reports.register."""
+"""`platform invoice` and `platform report` through a parser built here with gateway.cli.reports.register."""
 
 import argparse
 import json
@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from billing.db import make_engine
 from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
-from gateway.cli_reports import register
+from gateway.cli.reports import register
 from gateway.settings import Settings
 from tests.billing.dbutil import fresh_database
 
@@ -36,18 +36,9 @@ def db_url(tmp_path):
 
 def _run(db_url: str, tmp_path, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="platform")
-    sub = parser.add_subparsers(required=True)
-    loaded: list[argparse.Namespace] = []
-
-    def load_settings(args: argparse.Namespace) -> Settings:
-        loaded.append(args)
-        return Settings(home=tmp_path, database_url=db_url)
-
-    register(sub, load_settings)
+    register(parser.add_subparsers(required=True))
     args = parser.parse_args(argv)
-    code = args.func(args)
-    assert loaded == [args]
-    return code
+    return args.func(args, Settings(home=tmp_path, database_url=db_url))
 
 
 def test_invoice_json_to_file_and_csv_to_stdout(db_url, tmp_path, capsys):

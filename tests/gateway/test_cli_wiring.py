@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from gateway.cli import _parser, main
+from gateway.cli import main, parser
 
 
 def test_subcommands_are_registered():
-    p = _parser()
+    p = parser()
     assert p.parse_args(["invoice", "--tenant", "acme", "--month", "2026-11"]).func
     assert p.parse_args(["report", "--format", "json"]).func
     assert p.parse_args(["admin", "create-key"]).func

@@ -5,10 +5,8 @@ TOLLGATE_DASHBOARD_SCREENSHOT=docs/dashboard.png to also copy it there."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
@@ -17,6 +15,7 @@ from billing.accounts import hash_key
 from billing.models import ApiKey
 from tests.billing.dbutil import fresh_database
 from tests.gateway.test_dashboard import EVIL_TENANT, SEEDED, Dashboard, _serve, chart_total
+from tollgate import envs
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -113,8 +112,8 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
     assert len(bars) == 30 and sum(float(b.get_attribute("height")) > 0 for b in bars) == 3
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-    if os.environ.get("TOLLGATE_DASHBOARD_SCREENSHOT"):
-        shutil.copyfile(shot, Path(os.environ["TOLLGATE_DASHBOARD_SCREENSHOT"]))
+    if envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"):
+        shutil.copyfile(shot, envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"))
 
     browser.find_element(By.LINK_TEXT, "Keys").click()
     Select(browser.find_element(By.ID, "create-tenant")).select_by_visible_text("acme")

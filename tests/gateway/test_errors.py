@@ -106,3 +106,16 @@ def test_fuzzed_bodies_get_an_error_shape_never_a_500(http, body):
     r = http.post(CHAT, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code in (400, 404), r.text
     _assert_error(r, r.status_code)
+
+
+def test_max_tokens_beyond_the_context_is_a_400_not_a_silent_cap(server, shared_db, http):
+    """vLLM's answer: the context is 1024 tokens here, so a 30-token prompt with max_tokens 1000 is refused,
+    naming max_tokens."""
+    before = _events(server, shared_db)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1020}
+    err = _assert_error(http.post(CHAT, json=body), 400, "context_length_exceeded", "max_tokens")
+    assert "maximum context length is 1024 tokens" in err["message"]
+    body = {"model": MODEL, "prompt": list(range(100, 130)), "max_tokens": 995}
+    _assert_error(http.post("/v1/completions", json=body), 400, "context_length_exceeded", "max_tokens")
+    assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert _events(server, shared_db) == before + 1

@@ -24,7 +24,7 @@ def _resolve(import_path: str) -> object:
 
 
 def test_model_specs_validate() -> None:
-    specs = {s.name: s for s in load_specs(PLATFORM / "models")}
+    specs = {s.name: s for s in load_specs(PLATFORM / "models").specs}
     assert {"smollm2-135m", "llama-3.1-8b"} <= set(specs)
     small, large = specs["smollm2-135m"], specs["llama-3.1-8b"]
     assert small.resources.num_gpus == 0 and small.size == "small"
@@ -41,7 +41,7 @@ def test_rayservice_runs_the_same_applications() -> None:
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(config)  # Ray's own check of a serve config file
     apps = {a["name"]: a for a in config["applications"]}
-    from gateway.serve import GATEWAY_APP, model_app_name
+    from gateway.serving.names import GATEWAY_APP, model_app_name
 
     assert apps[GATEWAY_APP]["route_prefix"] == "/"
     assert all(a["route_prefix"] is None for n, a in apps.items() if n != GATEWAY_APP)
@@ -73,9 +73,9 @@ def test_dockerfile_copies_real_paths_and_runs_a_real_command() -> None:
             assert list(ROOT.glob(part.rstrip("*") + "*")), f"COPY {part}: not in the repository"
     cmd = yaml.safe_load(re.search(r"^CMD (.+)$", text, flags=re.M).group(1))
     assert cmd[0] == "platform"
-    from gateway.cli import _parser
+    from gateway.cli import parser
 
-    args = _parser().parse_args(cmd[1:])
+    args = parser().parse_args(cmd[1:])
     assert args.func.__name__ == "cmd_up"
     assert _resolve("gateway.cli:main")
 

@@ -24,10 +24,12 @@ from billing.accounts import create_key, create_tenant  # noqa: E402
 from billing.db import make_engine  # noqa: E402
 from billing.gpu_usage import gpu_usage_frame  # noqa: E402
 from billing.models import ReplicaInterval, UsageEvent  # noqa: E402
-from gateway import platform_ops as ops  # noqa: E402
-from gateway.platform_settings import PlatformSettings  # noqa: E402
-from gateway.ray_backend import COLD_START_HEADER, REQUEST_ID_HEADER  # noqa: E402
-from gateway.serve import GATEWAY_APP, MODEL_APP_PREFIX, model_app_name  # noqa: E402
+from gateway.serving import deploy as ops  # noqa: E402
+from gateway.serving import status  # noqa: E402
+from gateway.serving.gateway_app import deploy_gateway  # noqa: E402
+from gateway.serving.names import GATEWAY_APP, MODEL_APP_PREFIX, model_app_name  # noqa: E402
+from gateway.serving.ray_backend import COLD_START_HEADER, REQUEST_ID_HEADER  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
 from gateway.specs import ModelSpec, load_spec  # noqa: E402
 from tests.billing.dbutil import fresh_database  # noqa: E402
 from tests.gateway.live import free_port  # noqa: E402
@@ -56,7 +58,7 @@ class Platform:
     key: str
     db: Engine
     db_url: str
-    settings: PlatformSettings
+    settings: Settings
     model: str
 
     def chat(self, max_tokens: int = 8, stream: bool = False, timeout: float = 120.0, **extra: object) -> httpx.Response:
@@ -89,12 +91,12 @@ def platform(tmp_path_factory) -> Iterator[Platform]:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             home = tmp_path_factory.mktemp("serve-home")
             # the semantic cache is tested on its own; here every request must reach the model
-            settings = PlatformSettings(database_url=db_url, home=home, semantic_cache=False, key_cache_ttl_s=0.0,
+            settings = Settings(database_url=db_url, home=home, semantic_cache=False, key_cache_ttl_s=0.0,
                                         interval_flush_s=2.0, registry_refresh_s=0.25, cold_start_timeout_s=90.0,
                                         retry_after_s=7)
             spec = test_spec()
             ops.deploy_model(db, spec, settings)
-            ops.deploy_gateway(settings)
+            deploy_gateway(settings)
             create_tenant(db, "acme")
             key = create_key(db, "acme").key
             p = Platform(f"http://127.0.0.1:{port}", key, db, db_url, settings, spec.name)
@@ -132,7 +134,9 @@ def _ts(dt) -> float:  # type: ignore[no-untyped-def]
 
 def test_scale_to_zero_and_back_with_intervals(platform: Platform) -> None:
     m = platform.model
-    assert ops.running_replicas(m) == 0  # min_replicas 0: nothing runs before the first request
+    assert status.running_replicas(m) == 0  # min_replicas 0: nothing runs before the first request
+    listed = httpx.get(f"{platform.url}/v1/models", headers={"Authorization": f"Bearer {platform.key}"}).json()
+    assert [x["state"] for x in listed["data"] if x["id"] == m] == ["scaled_to_zero"]
     lives = []
     for _ in range(2):
         sent = time.time()
@@ -143,11 +147,11 @@ def test_scale_to_zero_and_back_with_intervals(platform: Platform) -> None:
         cold = float(r.headers[COLD_START_HEADER])
         print(f"cold start {cold:.2f} s, answered in {answered - sent:.2f} s")
         assert 0 < cold <= answered - sent
-        assert ops.running_replicas(m) == 1
+        assert status.running_replicas(m) == 1
         # warm now: no header
         warm = platform.chat(max_tokens=2)
         assert warm.status_code == 200 and COLD_START_HEADER not in warm.headers
-        wait_until(lambda: not ops.replica_states(m), 45, "scale to zero (no replica in any state)")
+        wait_until(lambda: not status.replica_states(m), 45, "scale to zero (no replica in any state)")
         gone = time.time()
         assert gone - answered >= DOWNSCALE_S - 0.5
         lives.append((sent, answered, gone))
@@ -235,13 +239,21 @@ def a_namespace(actor_name: str) -> str:
 def test_deploy_scale_delete_status(platform: Platform) -> None:
     m = platform.model
     first_deployed = serve.status().applications[model_app_name(m)].last_deployed_time_s
-    other = test_spec("smollm2-other")
+    other = test_spec("smollm2-other").model_copy(update={"size": "large", "tasks": ["code"]})
     ops.deploy_model(platform.db, other, platform.settings)
     wait_until(lambda: _listed_name(platform, "smollm2-other"), 15, "the second model to be listed")
-    rows = {r["model"]: r for r in ops.platform_status(platform.db)}
+    rows = {r["model"]: r for r in status.platform_status(platform.db)}
     assert set(rows) == {m, "smollm2-other"}
-    assert rows[m]["cold_starts"] >= 3 and rows[m]["status"] == "RUNNING"
+    assert rows[m]["cold_starts"] >= 3 and rows[m]["state"] in ("ready", "scaled_to_zero")
     assert rows["smollm2-other"]["replicas"] == {} and rows["smollm2-other"]["max_replicas"] == 1
+    assert rows["smollm2-other"]["state"] == "scaled_to_zero" and rows["smollm2-other"]["reason"] is None
+
+    # the router sees a model deployed after the gateway started: code goes to the large side
+    code = [{"role": "user", "content": "Write a python function that reverses a linked list."}]
+    r = httpx.post(f"{platform.url}/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {platform.key}"},
+                   json={"model": "auto", "messages": code, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert "model=smollm2-other" in r.headers["x-tollgate-route"] and r.json()["model"] == "smollm2-other"
 
     ops.scale_model(platform.db, "smollm2-other", platform.settings, 0, 2)
     assert ops.recorded_spec(platform.db, "smollm2-other").autoscaling.max_replicas == 2
@@ -269,7 +281,7 @@ def test_no_replica_within_the_bound_is_unavailable(platform: Platform) -> None:
 
     from engine.config import SamplingParams
     from gateway.backends import BackendUnavailable, GenerationRequest
-    from gateway.ray_backend import RayModelBackend
+    from gateway.serving.ray_backend import RayModelBackend
 
     data = test_spec("smollm2-never").model_dump(mode="json")
     data["resources"]["num_cpus"] = 64  # no node has that many: its replica never starts
@@ -287,6 +299,40 @@ def test_no_replica_within_the_bound_is_unavailable(platform: Platform) -> None:
     assert 1.4 < time.monotonic() - t < 10
     assert backend.counters.cold_start_timeouts == 1 and backend.counters.waiting_for_replica == 0
     ops.delete_model("smollm2-never")
+
+
+def test_errors_cross_the_ray_boundary_typed(platform: Platform) -> None:
+    """A prompt longer than the context is the same 400 context_length_exceeded as in-process, not a 500; a
+    model with no replica is listed as scaled_to_zero; a response carries one x-request-id."""
+    long = "hello " * 700  # well over the test spec's 512 tokens
+    r = platform.chat(messages=[{"role": "user", "content": long}])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["type"] == "invalid_request_error"
+    r = platform.chat(max_tokens=2)
+    assert r.status_code == 200 and len(r.headers.get_list("x-request-id")) == 1
+    assert r.headers[REQUEST_ID_HEADER] == r.json()["id"]
+
+
+def test_a_model_whose_replicas_cannot_start_is_unavailable_with_the_reason(platform: Platform) -> None:
+    data = test_spec("smollm2-broken").model_dump(mode="json")
+    data["source"] = "/nonexistent/weights"  # past the deploy-time check, as a volume that went away would be
+    spec = ModelSpec.model_validate(data)
+    ops.deploy_model(platform.db, spec, platform.settings, check=False, max_constructor_retry_count=1)
+    wait_until(lambda: _listed_name(platform, "smollm2-broken"), 15, "the broken model to be listed")
+    r = platform.chat(model="smollm2-broken", timeout=120)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_unavailable" and "/nonexistent/weights" in error["message"]
+    listed = {m["id"]: m for m in httpx.get(f"{platform.url}/v1/models", timeout=5,
+                                            headers={"Authorization": f"Bearer {platform.key}"}).json()["data"]}
+    assert listed["smollm2-broken"]["state"] == "unavailable"
+    assert "/nonexistent/weights" in listed["smollm2-broken"]["reason"]
+    [row] = [r for r in status.platform_status(platform.db) if r["model"] == "smollm2-broken"]
+    assert row["state"] == "unavailable" and "/nonexistent/weights" in row["reason"]
+    # a request now fails at once: the gateway knows, it does not wait for a replica
+    t = time.monotonic()
+    assert platform.chat(model="smollm2-broken").status_code == 503 and time.monotonic() - t < 5
+    ops.delete_model("smollm2-broken")
 
 
 def _listed_name(p: Platform, name: str) -> bool:
@@ -345,7 +391,7 @@ def test_gateway_restarted_with_a_stream_in_flight(platform: Platform) -> None:
         event = conn.execute(select(UsageEvent).where(UsageEvent.request_id == chunks[0]["id"])).first()
     assert event is not None and (event.status, event.completion_tokens) == ("ok", 64)
 
-    ops.deploy_gateway(platform.settings)
+    deploy_gateway(platform.settings)
     wait_until(lambda: _listed(platform), 60, "the gateway to serve again")
     assert _gateway_actors() and not (_gateway_actors() & before)
     assert platform.chat(max_tokens=2).status_code == 200
@@ -357,8 +403,8 @@ def _gateway_actors() -> set[str]:
 
 
 def test_shared_cache_deployment(platform: Platform) -> None:
-    """Last in this module: it redeploys the gateway with the semantic cache as its own deployment."""
-    ops.deploy_gateway(platform.settings.model_copy(update={"semantic_cache": True}))
+    """It redeploys the gateway with the semantic cache as its own deployment (only the stop test follows)."""
+    deploy_gateway(platform.settings.model_copy(update={"semantic_cache": True}))
     wait_until(lambda: _listed(platform), 60, "the gateway with the cache to list the model")
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -383,3 +429,65 @@ def test_shared_cache_deployment(platform: Platform) -> None:
     down = ask()
     assert down.status_code == 200, down.text
     assert down.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+
+STOP_TOKENS = 128
+STOPPER = """
+import sys
+import ray
+from gateway.cli.serve import run_until_stopped
+from gateway.settings import Settings
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print("waiting", flush=True)
+sys.exit(run_until_stopped(Settings(drain_s=60.0), owns_platform=True))
+"""
+
+
+def test_sigterm_drains_the_platform_then_stops_it(platform: Platform) -> None:
+    """Last in this module: it stops the platform. A process that owns the platform (as `platform up` does)
+    gets SIGTERM while 5 streams run: the gateway refuses new requests, the 5 finish and are recorded, then
+    Serve shuts down."""
+    import signal
+    import threading
+
+    address = ray.get_runtime_context().gcs_address
+    stopper = subprocess.Popen([sys.executable, "-c", STOPPER, address], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    assert stopper.stdout is not None and stopper.stdout.readline().strip() == "waiting"
+    results: list[list[str]] = [[] for _ in range(5)]
+    started = threading.Barrier(6, timeout=180)
+
+    def stream(i: int) -> None:
+        # long enough that the drain outlasts the signal's delivery and the check for refusals below
+        body = {"model": platform.model, "max_tokens": STOP_TOKENS, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"Count slowly, run {i} {uuid.uuid4().hex[:6]}."}]}
+        with httpx.stream("POST", f"{platform.url}/v1/chat/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {platform.key}"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[i].append(line[6:])
+                    if len(results[i]) == 2:
+                        started.wait()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(5)]
+    for t in threads:
+        t.start()
+    started.wait()
+    stopper.send_signal(signal.SIGTERM)
+    late = wait_until(lambda: (r := platform.chat(max_tokens=2)).status_code == 503 and r, 30, "new requests refused")
+    assert late.json()["error"]["code"] == "service_unavailable"
+    for t in threads:
+        t.join(180)
+    out, _ = stopper.communicate(timeout=180)
+    assert stopper.returncode == 0, out[-3000:]
+    ids = []
+    for events in results:
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == STOP_TOKENS
+        ids.append(json.loads(events[0])["id"])
+    with platform.db.connect() as conn:
+        rows = conn.execute(select(UsageEvent.status, UsageEvent.completion_tokens)
+                            .where(UsageEvent.request_id.in_(ids))).all()
+    assert sorted(tuple(r) for r in rows) == [("ok", STOP_TOKENS)] * 5
+    with pytest.raises(httpx.TransportError):  # Serve's proxy is gone
+        httpx.get(f"{platform.url}/v1/models", timeout=5)

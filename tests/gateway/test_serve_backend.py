@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 from engine.config import SamplingParams  # noqa: E402
 from gateway import errors  # noqa: E402
 from gateway.backends import BackendUnavailable, ChoiceDelta, GenerationChunk, GenerationRequest  # noqa: E402
-from gateway.ray_backend import (  # noqa: E402
+from gateway.serving.ray_backend import (  # noqa: E402
     COLD_START_HEADER,
     REQUEST_ID_HEADER,
     PlatformHeaders,

@@ -9,7 +9,7 @@ import pytest
 from billing.gpu_usage import gpu_usage_frame
 from billing.models import ReplicaInterval
 from billing.replica_intervals import IntervalRecorder
-from gateway.app import register_deployments
+from billing.deployments import record_deployments
 from gateway.specs import ModelSpec
 
 
@@ -41,7 +41,7 @@ def test_rows_tile_the_replica_life_and_split_busy_from_idle(db) -> None:  # typ
 
 
 def test_gpu_usage_per_model_and_day(db) -> None:  # type: ignore[no-untyped-def]
-    register_deployments(db, [ModelSpec(name="big", source="x", pricing={"gpu_hour": 2.0})])
+    record_deployments(db, [ModelSpec(name="big", source="x", pricing={"gpu_hour": 2.0}).model_dump(mode="json")])
     for replica, busy in (("a", 0.0), ("b", 900.0)):
         t = [time.time() - 3600.0]
         rec = IntervalRecorder(db, "big", replica, lambda b=busy: b, started_at=t[0])

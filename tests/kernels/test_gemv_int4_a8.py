@@ -74,11 +74,18 @@ def test_bad_arguments_are_named() -> None:
     assert not gemv_int4_a8.takes(x, q, s, z, 128)  # CPU tensors take the other paths
 
 
-def test_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
-    assert gemv_int4_a8.enabled() == hasattr(torch.cuda, "_compile_kernel")
-    monkeypatch.setenv("TOLLGATE_INT4_A8", "0")
-    assert not gemv_int4_a8.enabled()
+def test_int4_linear_asks_for_this_kernel_only_with_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from kernels import int4_matmul
+
+    assert gemv_int4_a8.available() == hasattr(torch.cuda, "_compile_kernel")
+    asked = []
+    monkeypatch.setattr(gemv_int4_a8, "takes", lambda *args: asked.append(args) or False)
+    q, s, z = random_int4(16, 256, 128, torch.device("cpu"))
+    x = torch.randn(1, 256)
+    want = int4_matmul.int4_linear(x, q, s, z, 128, None, int8_activations=False)
+    assert not asked
+    assert torch.equal(int4_matmul.int4_linear(x, q, s, z, 128, None), want) and len(asked) == 1
 
 
 @pytest.mark.gpu
@@ -86,7 +93,6 @@ def test_a_variant_nvrtc_refuses_leaves_the_call_to_the_half_precision_gemv(monk
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     import kernels
 
-    monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
     device = torch.device("cuda")
     q, s, z = random_int4(64, 256, 128, device)
     x = residual_stream(1, 256, device)
@@ -132,7 +138,6 @@ def assert_matches_reference(out: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("run", [8, 16, 32])
 def test_kernel_matches_reference(m: int, n: int, k: int, group_size: int, fusion: str, run: int,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
     """Each run length the kernel compiles for (activations sharing one scale), the shipped one included."""
     monkeypatch.setattr(gemv_int4_a8, "RUN", run)
     torch.manual_seed(2)
@@ -158,14 +163,12 @@ def test_kernel_matches_reference(m: int, n: int, k: int, group_size: int, fusio
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k", "gated"), LLAMA_8B)
-def test_llama_shapes_through_int4_linear_in_a_graph(n: int, k: int, gated: bool,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_shapes_through_int4_linear_in_a_graph(n: int, k: int, gated: bool) -> None:
     """kernels.int4_linear at one row takes this kernel (with the norm, and the residual where not gated; gated, the
     norm runs as its own kernel first), captured in a CUDA graph and replayed on new rows; the half-precision GEMV
     agrees to the int8 rounding."""
     import kernels
 
-    monkeypatch.delenv("TOLLGATE_INT4_A8", raising=False)
     device = torch.device("cuda")
     q, s, z = random_int4(n, k, 128, device)
     x = residual_stream(1, k, device)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import reference
+from kernels import formats, reference
 from kernels.int4_tinygemm import MAX_ROWS, pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from tests.kernels.helpers import rel_err
 from tests.kernels.test_quant_linear import random_int4
@@ -15,7 +15,7 @@ def test_scales_and_zeros_carry_our_zero_points(group_size: int) -> None:
     n, k = 48, 256
     qweight, scales, zeros = random_int4(n, k, group_size, torch.device("cpu"))
     x = torch.randn(3, k).to(torch.bfloat16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(reference.unpack_int4(qweight), 2)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(formats.unpack_int4(qweight), 2)
     got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, tinygemm_scales_and_zeros(scales, zeros))
     want = x.float() @ reference.dequantize_int4(qweight, scales, zeros, group_size, torch.float32).T
     assert rel_err(got.float(), want) < 1e-2

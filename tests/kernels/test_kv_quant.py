@@ -10,7 +10,7 @@ from tests.kernels.helpers import poisoned_outputs, random_paged_kv, rel_err, to
 
 pytest.importorskip("triton")
 from kernels.cache_ops import store_kv_cache  # noqa: E402
-from kernels.paged_attention import DecodeConfig, decode_attention  # noqa: E402
+from kernels.flash_decode import DecodeConfig, decode_attention  # noqa: E402
 from kernels.prefill_attention import PrefillConfig, paged_attention  # noqa: E402
 
 KV_DTYPES = [torch.float8_e4m3fn, torch.int8]

@@ -12,7 +12,7 @@ from tests.kernels.helpers import rel_err, tolerance
 
 pytest.importorskip("triton")
 import kernels  # noqa: E402
-from kernels import cuda_launch, pdl, reference  # noqa: E402
+from kernels import cuda_launch, formats, pdl, reference  # noqa: E402
 
 
 def test_pdl_is_off_for_cpu_tensors_and_the_interpreter(monkeypatch) -> None:
@@ -23,11 +23,8 @@ def test_pdl_is_off_for_cpu_tensors_and_the_interpreter(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-def test_pdl_follows_the_switch_and_the_device(monkeypatch) -> None:
+def test_pdl_follows_the_device() -> None:
     x = torch.zeros(1, device="cuda")
-    monkeypatch.setenv("TOLLGATE_PDL", "0")
-    assert pdl.launch_options(x) == {}
-    monkeypatch.delenv("TOLLGATE_PDL")
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.launch_options(x) == ({"PDL": True, "launch_pdl": True} if hopper else {})
     assert pdl.launch_options(x, early=True) == ({"PDL": True, "EARLY": True, "launch_pdl": True} if hopper else {})
@@ -93,9 +90,8 @@ def test_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     inputs = [torch.randn(1, 1024, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(20)]
     x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("TOLLGATE_PDL", "1")
     with_pdl = _replayed(x, layers, inputs)
-    monkeypatch.setenv("TOLLGATE_PDL", "0")
+    monkeypatch.setattr(pdl, "enabled", lambda t: False)
     serial = _replayed(x, layers, inputs)
     for a, b in zip(with_pdl, serial):
         assert torch.equal(a, b)
@@ -116,7 +112,7 @@ def _int4_layers(hidden: int, inter: int, count: int) -> list[dict]:
         q = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
         scales = (torch.rand(n, k // 128, device="cuda", generator=gen) + 0.5) / (8 * k**0.5)
         zeros = torch.randint(0, 16, (n, k // 128), device="cuda", dtype=torch.uint8, generator=gen)
-        return reference.pack_int4(q), scales, zeros
+        return formats.pack_int4(q), scales, zeros
 
     return [{"norm": 1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen).to(torch.bfloat16),
              "gate_up": int4(2 * inter, hidden), "down": int4(hidden, inter)} for _ in range(count)]
@@ -139,9 +135,8 @@ def test_dependent_launches_of_the_int4_chain_in_a_graph_equal_serial_launches(m
     gen = torch.Generator(device="cuda").manual_seed(3)
     inputs = [torch.randn(1, 1024, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(20)]
     x = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("TOLLGATE_PDL", "1")
     with_pdl = _replayed(x, layers, inputs, _int4_chain)
-    monkeypatch.setenv("TOLLGATE_PDL", "0")
+    monkeypatch.setattr(pdl, "enabled", lambda t: False)
     serial = _replayed(x, layers, inputs, _int4_chain)
     for a, b in zip(with_pdl, serial):
         assert torch.equal(a, b)

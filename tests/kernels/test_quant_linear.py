@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import formats, reference
 from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
 
 pytest.importorskip("triton")
@@ -22,13 +22,13 @@ def random_int4(n: int, k: int, group_size: int, device: torch.device):
     q = torch.randint(0, 16, (n, k), device=device)
     scales = torch.rand(n, k // group_size, device=device) * 0.05 + 1e-3
     zeros = torch.randint(0, 17, (n, k // group_size), dtype=torch.uint8, device=device)  # GPTQ v1 zeros reach 16
-    return reference.pack_int4(q), scales, zeros
+    return formats.pack_int4(q), scales, zeros
 
 
 def test_pack_int4_round_trip() -> None:
     values = torch.randint(0, 16, (5, 48))
     values[0, 7] = 15  # the sign bit of an int32 word
-    assert torch.equal(reference.unpack_int4(reference.pack_int4(values)), values)
+    assert torch.equal(formats.unpack_int4(formats.pack_int4(values)), values)
 
 
 @pytest.mark.parametrize("m", [1, 3, 11, 70])

@@ -1,4 +1,4 @@
-"""Decode attention that rotates q and stores the new tokens' k and v itself (kernels/paged_attention.py,
+"""Decode attention that rotates q and stores the new tokens' k and v itself (kernels/flash_decode.py,
 rotary_decode_attention) against the two kernels it replaces (kernels/rotary_store.py, then decode_attention) and
 against the PyTorch references, for plain, int8 and fp8 caches, one or several splits, strided q / k / v views of
 one qkv row, a sequence whose slot is skipped, and a slot poisoned beforehand so that a missing store shows."""
@@ -10,7 +10,7 @@ from kernels import reference
 from tests.kernels.helpers import poisoned_outputs, random_paged_kv, rel_err, tolerance
 
 pytest.importorskip("triton")
-from kernels.paged_attention import DecodeConfig, decode_attention, rotary_decode_attention  # noqa: E402
+from kernels.flash_decode import DecodeConfig, decode_attention, rotary_decode_attention  # noqa: E402
 from kernels.rotary_store import rotary_kv_store  # noqa: E402
 
 CASES = [  # (sequence lengths, KV heads, query heads per KV head, head dim, block size, splits)

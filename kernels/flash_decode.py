@@ -24,7 +24,7 @@ import triton.language as tl
 from kernels.attention_tile import attend_tile
 from kernels.cache_ops import check_cache_inputs, quantize
 from kernels.pdl import launch_options, let_later_kernels_launch, wait_for_earlier_kernels
-from kernels.reference import check_kv_scales
+from kernels.kv_layout import check_kv_scales
 from kernels.rotary import check_rotary_inputs
 from kernels.rotary_tile import cos_sin_tile, rotated_tile
 
@@ -314,7 +314,7 @@ def decode_attention(
     """One new token per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens of the
     pages in block_tables[b]. Returns [B, H, D]. The longest context is bounded by
     block_tables.shape[1] * block_size, which sets the split count without reading seq_lens.
-    An int8 / fp8 cache needs kv_scales [2, G] (see kernels/reference.py)."""
+    An int8 / fp8 cache needs kv_scales [2, G] (see kernels/kv_layout.py)."""
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, config, None)
 
 

@@ -15,14 +15,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tollgate import envs
+
 log = logging.getLogger("tollgate.model_cache")
 
 _FORMAT = "1"  # bump when the layout of a converted directory changes
 
 
 def cache_root() -> Path:
-    root = os.environ.get("TOLLGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tollgate")
-    return Path(root) / "checkpoints"
+    return envs.model_cache_dir() / "checkpoints"
 
 
 def prepared_source(source: str) -> str:

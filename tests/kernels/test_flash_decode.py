@@ -5,7 +5,7 @@ from kernels import reference
 from tests.kernels.helpers import poisoned_outputs, random_paged_kv, rel_err, tolerance
 
 pytest.importorskip("triton")
-from kernels.paged_attention import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
+from kernels.flash_decode import DecodeConfig, choose_num_splits, decode_attention, default_config  # noqa: E402
 
 SMALL = DecodeConfig(block_n=16)
 

@@ -1,7 +1,11 @@
 """A ModelBackend that calls a model's Ray Serve application through its deployment handle, so the
 HTTP layer is the same as with the in-process engine. The first item of every stream is a
 ReplicaAccepted marker sent by the replica: waiting for it is waiting for a replica (a cold start
-when the replica became ready after the request was sent), bounded by cold_start_timeout_s."""
+when the replica became ready after the request was sent), bounded by cold_start_timeout_s.
+
+A request the replica refuses comes back as a ReplicaError item, not as an exception: the backend
+raises the same typed error the in-process engine would (PromptTooLongError, ValueError,
+BackendUnavailable), so the client gets the same 4xx / 503 on both paths."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.errors import PromptTooLongError
 from gateway.backends import BackendInfo, BackendState, BackendUnavailable, GenerationChunk, GenerationRequest
 
 log = logging.getLogger("tollgate.ray_backend")
@@ -33,6 +38,34 @@ class ReplicaAccepted:
     replica: str
     ready_at: float  # wall-clock time at which the replica finished loading
     started_at: float = 0.0  # wall-clock time at which its constructor began
+
+
+@dataclass(frozen=True)
+class ReplicaError:
+    """A request the replica refused; `kind` names the exception to raise again on the gateway's side."""
+
+    kind: str  # "prompt_too_long" | "invalid" | "unavailable"
+    message: str
+    num_prompt_tokens: int = 0
+    max_model_len: int = 0
+    max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, e: Exception) -> "ReplicaError | None":
+        if isinstance(e, PromptTooLongError):
+            return cls("prompt_too_long", str(e), e.num_prompt_tokens, e.max_model_len, e.max_tokens)
+        if isinstance(e, ValueError):
+            return cls("invalid", str(e))
+        if isinstance(e, BackendUnavailable):
+            return cls("unavailable", str(e))
+        return None
+
+    def exception(self) -> Exception:
+        if self.kind == "prompt_too_long":
+            return PromptTooLongError(self.num_prompt_tokens, self.max_model_len, self.max_tokens)
+        if self.kind == "invalid":
+            return ValueError(self.message)
+        return BackendUnavailable(self.message)
 
 
 @dataclass
@@ -54,14 +87,16 @@ class RayModelBackend:
         self.handle = handle
         self.max_model_len = max_model_len
         self.cold_start_timeout_s = cold_start_timeout_s
-        self.state: BackendState = "ready"
-        self.replica_states: dict[str, int] = {}  # kept current by the gateway's model registry
+        # kept current by the gateway's model registry
+        self.state: BackendState = "scaled_to_zero"
+        self.reason: str | None = None
+        self.replica_states: dict[str, int] = {}
         self.counters = ModelCounters()
         self._live: dict[str, Any] = {}
 
     def info(self) -> BackendInfo:
         return BackendInfo(self.name, self.max_model_len, self.state, self.replica_states.get("running", 0),
-                           dict(self.replica_states))
+                           dict(self.replica_states), self.reason)
 
     async def abort(self, request_id: str) -> None:
         response = self._live.pop(request_id, None)
@@ -78,11 +113,7 @@ class RayModelBackend:
         try:
             c.waiting_for_replica += 1
             try:
-                accepted = await asyncio.wait_for(response.__anext__(), self.cold_start_timeout_s)
-            except asyncio.TimeoutError:
-                c.cold_start_timeouts += 1
-                raise BackendUnavailable(f"model {self.name!r} has no replica ready after "
-                                         f"{self.cold_start_timeout_s:g} s; it is starting, try again shortly") from None
+                accepted = await self._wait_for_replica(response)
             finally:
                 c.waiting_for_replica -= 1
             if not isinstance(accepted, ReplicaAccepted):
@@ -95,6 +126,9 @@ class RayModelBackend:
                 if notes is not None:
                     notes["cold_start_s"] = waited
             async for chunk in response:
+                if isinstance(chunk, ReplicaError):
+                    finished = True
+                    raise chunk.exception()
                 yield chunk
                 finished = chunk.finished
         except RayTaskError as e:  # the replica's own exception (ValueError, PromptTooLongError, ...)
@@ -103,7 +137,7 @@ class RayModelBackend:
             if isinstance(cause, Exception):
                 raise cause from None
             raise
-        except BackendUnavailable:
+        except (BackendUnavailable, ValueError):
             raise
         except Exception:
             c.failed += 1
@@ -113,6 +147,27 @@ class RayModelBackend:
             self._live.pop(request.request_id, None)
             if not finished:
                 response.cancel()
+
+
+    async def _wait_for_replica(self, response: Any) -> Any:
+        """The stream's first item; gives up with the reason as soon as the registry finds the model
+        unavailable (a replica that cannot start), else after cold_start_timeout_s."""
+        first = asyncio.ensure_future(response.__anext__())
+        deadline = time.monotonic() + self.cold_start_timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+                if done:
+                    return first.result()
+                if self.state == "unavailable":
+                    raise BackendUnavailable(f"The model `{self.name}` is unavailable: {self.reason}")
+                if time.monotonic() >= deadline:
+                    self.counters.cold_start_timeouts += 1
+                    raise BackendUnavailable(f"The model `{self.name}` has no replica ready after "
+                                             f"{self.cold_start_timeout_s:g} s; it is starting, try again shortly")
+        finally:
+            if not first.done():
+                first.cancel()
 
 
 class PlatformHeaders:
@@ -132,11 +187,11 @@ class PlatformHeaders:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                # Serve's proxy replaces X-Request-Id with its own trace id; keep the gateway's under our name
+                # Serve's proxy adds its own X-Request-Id (its trace id) to every response: the gateway's
+                # request id goes under our own name, so that a response carries one of each
+                headers = []
                 for k, v in message.get("headers", []):
-                    if k.lower() == b"x-request-id":
-                        headers.append((REQUEST_ID_HEADER.encode(), v))
+                    headers.append((REQUEST_ID_HEADER.encode(), v) if k.lower() == b"x-request-id" else (k, v))
                 if "cold_start_s" in notes:
                     headers.append((COLD_START_HEADER.encode(), f"{notes['cold_start_s']:.3f}".encode()))
                 if message["status"] == 503 and not any(k.lower() == b"retry-after" for k, _ in headers):

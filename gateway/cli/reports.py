@@ -1,60 +1,37 @@
-"""`platform invoice` and `platform report`: register(subparsers, load_settings) adds them to the
-`platform` command's argparse subparsers. Each handler is called as func(args, settings); when the
-dispatcher passes no settings, load_settings(args) supplies them."""
+"""`platform invoice` and `platform report`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from billing.migrate import open_database
+from gateway.cli.args import date_arg
 from gateway.settings import Settings
 
-LoadSettings = Callable[[argparse.Namespace], Settings]
 REPORT_FORMATS = ("csv", "json", "parquet")
 REPORT_KINDS = ("usage", "gpu", "margin")
 
 
-def register(subparsers: Any, load_settings: LoadSettings) -> None:
-    def bind(handler: Callable[[argparse.Namespace, Settings], int]) -> Callable[..., int]:
-        def run(args: argparse.Namespace, settings: Settings | None = None) -> int:
-            return handler(args, settings if settings is not None else load_settings(args))
-        return run
-
+def register(subparsers: Any) -> None:
     inv = subparsers.add_parser("invoice", help="a tenant's invoice for one month")
     inv.add_argument("--tenant", required=True)
     inv.add_argument("--month", required=True, help="YYYY-MM (UTC)")
     inv.add_argument("--format", choices=("csv", "json", "html"), default="csv")
     inv.add_argument("--output", type=Path, help="write to FILE instead of stdout")
-    inv.set_defaults(func=bind(cmd_invoice))
+    inv.set_defaults(func=cmd_invoice)
 
     rep = subparsers.add_parser("report", help="cost per tenant, day and model (revenue, GPU cost, margin)")
-    rep.add_argument("--since", type=_date, help="YYYY-MM-DD (inclusive, UTC)")
-    rep.add_argument("--until", type=_date, help="YYYY-MM-DD (exclusive, UTC)")
+    rep.add_argument("--since", type=date_arg, help="YYYY-MM-DD (inclusive, UTC)")
+    rep.add_argument("--until", type=date_arg, help="YYYY-MM-DD (exclusive, UTC)")
     rep.add_argument("--format", choices=REPORT_FORMATS, required=True)
     rep.add_argument("--kind", choices=REPORT_KINDS, default="usage",
                      help="usage: per tenant × day × model with GPU cost and margin (default); "
                           "gpu: per model alive/busy hours and idle rate; margin: per tenant")
     rep.add_argument("--output", type=Path, help="write to FILE instead of stdout")
-    rep.set_defaults(func=bind(cmd_report))
-
-
-def _date(text: str) -> datetime:
-    try:
-        return datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=timezone.utc)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected YYYY-MM-DD, got {text!r}") from None
-
-
-def _engine(settings: Settings):  # type: ignore[no-untyped-def]
-    from billing.db import make_engine
-    from billing.migrate import upgrade
-
-    upgrade(settings.db_url)
-    return make_engine(settings.db_url)
+    rep.set_defaults(func=cmd_report)
 
 
 def _write(data: bytes, output: Path | None) -> None:
@@ -69,7 +46,7 @@ def cmd_invoice(args: argparse.Namespace, settings: Settings) -> int:
     from billing.invoice import build_invoice
     from billing.invoice_render import render
 
-    engine = _engine(settings)
+    engine = open_database(settings.db_url)
     try:
         text = render(build_invoice(engine, args.tenant, args.month), args.format)
     finally:
@@ -82,7 +59,7 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     from billing import reports
 
     build = {"usage": reports.cost_report, "gpu": reports.gpu_by_model, "margin": reports.margin_by_tenant}
-    engine = _engine(settings)
+    engine = open_database(settings.db_url)
     try:
         frame = build[args.kind](engine, args.since, args.until)
     finally:

@@ -1,0 +1,61 @@
+"""The deployed models as the database records them: each one's spec (as plain JSON data) and list
+prices. The gateway's HTTP, dashboard and platform code reach the `model_deployments` table only
+through these functions, which take and return plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from billing.models import ModelDeployment
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    spec: dict[str, Any]
+    input_per_1m: float
+    output_per_1m: float
+    gpu_hour: float
+    updated_at: datetime | None
+
+
+def record_deployments(db: Engine, specs: list[dict[str, Any]]) -> None:
+    """Insert or update one row per spec (a spec's `pricing` block sets the row's prices), in one transaction."""
+    with Session(db) as s, s.begin():
+        for spec in specs:
+            row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == spec["name"]))
+            if row is None:
+                row = ModelDeployment(name=spec["name"])
+                s.add(row)
+            pricing = spec.get("pricing") or {}
+            row.spec = spec
+            row.input_per_1m = float(pricing.get("input_per_1m", 0.0))
+            row.output_per_1m = float(pricing.get("output_per_1m", 0.0))
+            row.gpu_hour = float(pricing.get("gpu_hour", 0.0))
+
+
+def deployment(db: Engine, name: str) -> Deployment | None:
+    with Session(db) as s:
+        row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == name))
+        return None if row is None else _plain(row)
+
+
+def deployments(db: Engine) -> dict[str, Deployment]:
+    with Session(db) as s:
+        return {row.name: _plain(row) for row in s.scalars(select(ModelDeployment))}
+
+
+def deployed_specs(db: Engine) -> dict[str, dict[str, Any]]:
+    """Each recorded model's spec, by name (one query, for the gateways' registry refresh)."""
+    with db.connect() as conn:
+        return dict(conn.execute(select(ModelDeployment.name, ModelDeployment.spec)).tuples().all())
+
+
+def _plain(row: ModelDeployment) -> Deployment:
+    return Deployment(row.name, dict(row.spec or {}), row.input_per_1m, row.output_per_1m, row.gpu_hour,
+                      row.updated_at)

@@ -1,0 +1,176 @@
+"""Output processing: a step's new tokens into each sequence's tokens and text, and each request's RequestOutput.
+
+Each token is appended (with its logprob), detokenized and checked against the stops: a stop token, end of
+sequence, a stop string, max_tokens, the model's context. The sequences that stop go back to the engine, which frees
+them. Each request that got tokens then gets a RequestOutput with the totals and what was added since its last one;
+text that may still turn out to begin a stop string is held back until it cannot."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.config import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.metrics import EngineMetrics
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import SampledToken, Sequence
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    stream: bool
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int,
+                 metrics: EngineMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+        self._touched: dict[str, RequestState] = {}  # requests with tokens since the last outputs()
+
+    def add_request(self, state: RequestState) -> None:
+        if self.tokenizer is not None:
+            for seq in state.seqs:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+                                                         state.params.skip_special_tokens)
+        self.requests[state.request_id] = state
+
+    def pop_request(self, request_id: str) -> RequestState | None:
+        self._touched.pop(request_id, None)
+        return self.requests.pop(request_id, None)
+
+    def add_tokens(self, sampled: list[SampledToken]) -> list[Sequence]:
+        """Appends each token to its sequence; returns the sequences that stopped, in the order they did."""
+        now = time.monotonic()
+        stopped = []
+        for item in sampled:
+            if item.seq.finish_reason is not None:  # finished before, or a kept draft after a stop in this step
+                continue
+            self.metrics.generation_tokens += 1
+            state = self.requests[item.seq.request_id]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if self._append_token(item):
+                stopped.append(item.seq)
+            self._touched[state.request_id] = state
+        return stopped
+
+    def outputs(self) -> list[RequestOutput]:
+        """The outputs of the requests with tokens since the last call (of finished requests, and of streamed ones
+        at every step); finished requests are forgotten."""
+        outputs = []
+        now = time.monotonic()
+        touched, self._touched = self._touched, {}
+        for state in touched.values():
+            finished = state.finished
+            if finished:
+                del self.requests[state.request_id]
+                state.metrics.finished_time = now
+                self.metrics.record_request(state.metrics.arrival_time, state.metrics.first_token_time, now,
+                                            max(seq.num_output_tokens for seq in state.seqs))
+            if state.stream or finished:
+                outputs.append(self.output(state))
+        return outputs
+
+    def _append_token(self, item: SampledToken) -> bool:
+        """Appends the token; True when the sequence stops with it (its finish_reason is set then)."""
+        seq, token = item.seq, item.token_id
+        params = seq.params
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and item.logprob is not None:
+            seq.logprobs.append(item.logprob)
+        finish: str | None = None
+        stop_reason: str | int | None = None
+        if token in params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            finish = "stop"
+        if finish is None and seq.detokenizer is not None:
+            new_text = seq.detokenizer.add([token])
+            if new_text:
+                seq.text += new_text
+                if params.stop:
+                    finish, stop_reason = _check_stop_strings(seq, len(new_text))
+        if finish is None:
+            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+                finish = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                finish = "length"
+            if finish is not None and seq.detokenizer is not None:
+                # text held back for an incomplete character; the character itself never completed
+                seq.text += seq.detokenizer.finish().rstrip("\ufffd")
+        if finish is None:
+            return False
+        seq.finish_reason, seq.stop_reason = finish, stop_reason
+        return True
+
+    @staticmethod
+    def output(state: RequestState) -> RequestOutput:
+        """The request's output now: totals, and the deltas since the last output made."""
+        completions = []
+        for seq in state.seqs:
+            if seq.finished or not seq.params.stop:
+                visible = len(seq.text)
+            else:
+                visible = max(seq.num_emitted_chars, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+            out_ids = seq.output_token_ids
+            delta_ids = out_ids[seq.num_emitted_tokens :]
+            delta_text = seq.text[seq.num_emitted_chars : visible]
+            delta_lp = None
+            if seq.logprobs is not None:
+                delta_lp = seq.logprobs[seq.num_emitted_logprobs :]
+                seq.num_emitted_logprobs = len(seq.logprobs)
+            seq.num_emitted_tokens = len(out_ids)
+            seq.num_emitted_chars = visible
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text[:visible],
+                    token_ids=out_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    delta_logprobs=delta_lp,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            metrics=state.metrics,
+        )
+
+
+def _check_stop_strings(seq: Sequence, num_new_chars: int) -> tuple[str | None, str | None]:
+    params = seq.params
+    longest = max(len(s) for s in params.stop)
+    search_from = max(0, len(seq.text) - num_new_chars - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in params.stop:
+        at = seq.text.find(stop, search_from)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return None, None
+    at, stop = best
+    seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+    return "stop", stop

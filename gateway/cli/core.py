@@ -1,0 +1,157 @@
+"""`platform db`, `tenants`, `keys`, `usage`, `cache eval` and `settings`: the commands that need only
+the database (or nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from billing.migrate import open_database
+from gateway.cli.args import date_arg
+from gateway.cli.output import print_frame, print_rows
+from gateway.settings import Settings
+from tollgate import envs
+
+
+def register(sub: Any) -> None:
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(required=True, metavar="ACTION")
+    db_sub.add_parser("upgrade", help="apply migrations").set_defaults(func=cmd_db_upgrade)
+
+    tenants = sub.add_parser("tenants", help="tenants")
+    t_sub = tenants.add_subparsers(required=True, metavar="ACTION")
+    tc = t_sub.add_parser("create", help="create a tenant")
+    tc.add_argument("name")
+    tc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    tc.set_defaults(func=cmd_tenants_create)
+    tl = t_sub.add_parser("list", help="list tenants")
+    tl.add_argument("--json", action="store_true")
+    tl.set_defaults(func=cmd_tenants_list)
+
+    keys = sub.add_parser("keys", help="API keys")
+    k_sub = keys.add_subparsers(required=True, metavar="ACTION")
+    kc = k_sub.add_parser("create", help="create a key (printed once)")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--rpm", type=int)
+    kc.add_argument("--tpm", type=int)
+    kc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    kc.add_argument("--name")
+    kc.add_argument("--project", help="a tag put on every usage event of this key")
+    kc.set_defaults(func=cmd_keys_create)
+    kl = k_sub.add_parser("list", help="list keys (prefixes only)")
+    kl.add_argument("--tenant")
+    kl.add_argument("--json", action="store_true")
+    kl.set_defaults(func=cmd_keys_list)
+    kr = k_sub.add_parser("revoke", help="revoke a key by id or display prefix")
+    kr.add_argument("key")
+    kr.set_defaults(func=cmd_keys_revoke)
+
+    usage = sub.add_parser("usage", help="usage and cost")
+    usage.add_argument("--tenant")
+    usage.add_argument("--since", type=date_arg, help="YYYY-MM-DD (inclusive, UTC)")
+    usage.add_argument("--until", type=date_arg, help="YYYY-MM-DD (exclusive, UTC)")
+    usage.add_argument("--user", help="only this end user (the requests' `user` field)")
+    usage.add_argument("--tag", help="only events carrying this tag (a key's project or a request's metadata.tags)")
+    usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")
+    usage.add_argument("--gpu", action="store_true", help="replica time per model and day: alive, busy, idle rate")
+    usage.add_argument("--model", help="with --gpu: only this model")
+    usage.add_argument("--json", action="store_true")
+    usage.set_defaults(func=cmd_usage)
+
+    cache = sub.add_parser("cache", help="semantic cache")
+    c_sub = cache.add_subparsers(required=True, metavar="ACTION")
+    ce = c_sub.add_parser("eval", help="hit and false-hit rates of the shipped cache on {a, b, duplicate} pairs")
+    ce.add_argument("--pairs", type=Path, required=True, help='JSONL of {"a", "b", "duplicate"}')
+    ce.add_argument("--json", action="store_true")
+    ce.set_defaults(func=cmd_cache_eval)
+
+    st = sub.add_parser("settings", help="every TOLLGATE_* variable: type, default, the value in effect, help")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_settings)
+
+
+def cmd_settings(args: argparse.Namespace, _: Settings) -> int:
+    rows = envs.table()
+    if args.json:
+        print_rows(rows, True)
+        return 0
+    shown = [{"variable": r["name"], "type": r["type"], "value": "" if r["value"] is None else r["value"],
+              "set": "yes" if r["set"] else "", "help": r["help"]} for r in rows]
+    print_rows(shown, False)
+    return 0
+
+
+def cmd_cache_eval(args: argparse.Namespace, _: Settings) -> int:
+    from cache import eval as cache_eval
+
+    return cache_eval.main(["--pairs", str(args.pairs)] + (["--json"] if args.json else []))
+
+
+def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
+    open_database(settings.db_url).dispose()
+    print("database is at the latest revision")
+    return 0
+
+
+def cmd_tenants_create(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import create_tenant
+
+    tenant = create_tenant(open_database(settings.db_url), args.name, args.budget_usd)
+    print(f"created tenant {tenant.name} (id {tenant.id})")
+    return 0
+
+
+def cmd_tenants_list(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import list_tenants
+
+    rows = [{"id": t.id, "name": t.name, "budget_usd": t.budget_usd, "created_at": t.created_at.isoformat()}
+            for t in list_tenants(open_database(settings.db_url))]
+    print_rows(rows, args.json)
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import create_key
+
+    created = create_key(open_database(settings.db_url), args.tenant, rpm=args.rpm, tpm=args.tpm,
+                         budget_usd=args.budget_usd, name=args.name, project=args.project)
+    print(created.key)
+    print(f"key id {created.id} for tenant {created.tenant}; it is shown only once", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import list_keys
+
+    rows = [{"id": k.id, "prefix": k.prefix + "...", "tenant": k.tenant, "name": k.name, "project": k.project,
+             "rpm": k.rpm, "tpm": k.tpm, "budget_usd": k.budget_usd, "revoked": k.revoked,
+             "created_at": k.created_at.isoformat()} for k in list_keys(open_database(settings.db_url), args.tenant)]
+    print_rows(rows, args.json)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import revoke_key
+
+    key_id = revoke_key(open_database(settings.db_url), args.key)
+    print(f"revoked key {key_id}")
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    db = open_database(settings.db_url)
+    if args.gpu:
+        from billing.gpu_usage import gpu_usage_frame
+
+        frame = gpu_usage_frame(db, model=args.model, since=args.since, until=args.until)
+        print_frame(frame, args.json, "no replica time recorded")
+        return 0
+    from billing.usage import usage_frame
+
+    groups = tuple(g.strip() for g in args.group_by.split(",") if g.strip())
+    frame = usage_frame(db, tenant=args.tenant, since=args.since, until=args.until, group_by=groups,
+                        user=args.user, tag=args.tag)
+    print_frame(frame, args.json, "no usage")
+    return 0

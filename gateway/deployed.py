@@ -1,0 +1,41 @@
+"""The models one gateway serves now, as one value: the registry (Ray) or the CLI (local) builds a new
+one when deployments change and swaps it in with a single assignment, so a request sees either the
+old set or the new one, never half of each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from billing.pricing import Prices
+from gateway.backends import ModelBackend
+from gateway.router import ModelSpec as RouteSpec
+from gateway.specs import ModelSpec
+
+DEFAULT_MAX_MODEL_LEN = 2048  # what the router assumes of a model whose context it does not know
+
+
+@dataclass(frozen=True)
+class DeployedModels:
+    backends: dict[str, ModelBackend] = field(default_factory=dict)
+    specs: dict[str, ModelSpec] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, pairs: list[tuple[ModelSpec, ModelBackend]]) -> "DeployedModels":
+        return cls({s.name: b for s, b in pairs}, {s.name: s for s, _ in pairs})
+
+    def prices(self, model: str) -> Prices:
+        spec = self.specs.get(model)
+        return spec.pricing.prices() if spec is not None else Prices()
+
+    def route_candidates(self) -> list[RouteSpec]:
+        """The models `"auto"` may pick: deployed with a known spec, and serving (or able to start)."""
+        out = []
+        for name, spec in self.specs.items():
+            backend = self.backends.get(name)
+            if backend is None:
+                continue
+            info = backend.info()
+            if info.serving:
+                out.append(RouteSpec(name, spec.size, tuple(spec.tasks),
+                                     info.max_model_len or spec.max_model_len or DEFAULT_MAX_MODEL_LEN))
+        return out

@@ -1,0 +1,45 @@
+"""A model spec as its own Ray Serve application: a ModelServer deployment autoscaled 0..N. Deploying,
+updating or deleting a model touches only its own application."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from typing import Any
+
+from ray.serve import Application
+
+from gateway.serving.replica import ModelServer
+from gateway.settings import Settings
+from gateway.specs import ModelSpec
+
+
+def model_application(spec: ModelSpec, settings: Settings, **deployment_options: Any) -> Application:
+    actor_options: dict[str, Any] = {"num_cpus": spec.resources.num_cpus, "num_gpus": spec.resources.num_gpus}
+    if spec.resources.memory_gib is not None:
+        actor_options["memory"] = int(spec.resources.memory_gib * 2**30)
+    # autoscaling and pricing stay out of the replicas' arguments, and the version names only what the
+    # replicas are built from: changing the replica bounds or prices updates the running replicas in place
+    replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
+    args = (replica_spec, settings.db_url, settings.interval_flush_s)
+    version = hashlib.sha256(json.dumps([args, actor_options, _package_version()], sort_keys=True).encode())
+    deployment_options.setdefault("graceful_shutdown_timeout_s", settings.drain_s)
+    deployment = ModelServer.options(
+        autoscaling_config=spec.autoscaling.serve_config(),
+        max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
+        ray_actor_options=actor_options,
+        **deployment_options,
+    )
+    # Serve gives every imperative deploy a random code version (a full restart) unless one is set;
+    # `options(version=)` is gone, so set the attribute serve.run reads
+    deployment._version = version.hexdigest()[:16]
+    return deployment.bind(*args)
+
+
+def _package_version() -> str:
+    try:
+        return dist_version("tollgate")
+    except PackageNotFoundError:
+        return "dev"

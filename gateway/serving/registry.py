@@ -1,0 +1,117 @@
+"""Keeps a gateway's models in step with the model applications on the cluster: a thread reads
+serve.status() and the recorded specs, and swaps in a new DeployedModels (gateway/deployed.py). A
+model's state comes from its application: no running replica is `scaled_to_zero` (a request starts
+one), an application that failed to deploy, or whose replicas cannot start, is `unavailable` with
+Serve's message as the reason."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any
+
+from ray import serve
+
+from billing.deployments import deployed_specs
+from gateway.backends import BackendState, ModelBackend
+from gateway.deployed import DeployedModels
+from gateway.serving.names import MODEL_DEPLOYMENT, model_app_name, model_of_app
+from gateway.serving.ray_backend import RayModelBackend
+from gateway.specs import ModelSpec, SpecError, parse_spec
+
+log = logging.getLogger("tollgate.serve")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+
+
+def short_reason(message: str) -> str:
+    """Serve's message about a deployment whose replicas fail to start carries the replica's traceback;
+    the reason a user needs is its first sentence and the exception's own line."""
+    text = _ANSI.sub("", message).strip()
+    first = text.split(". ", 1)[0].rstrip(".")
+    raised = [m for line in text.splitlines() if (m := _EXCEPTION_LINE.match(line.strip()))]
+    if not raised:
+        return text if len(text) <= 300 else text[:297] + "..."
+    name, detail = raised[-1].groups()
+    return f"{first}: {name}: {detail}"
+
+
+def _enum(value: Any) -> str:
+    return str(getattr(value, "value", value)).rsplit(".", 1)[-1]
+
+
+def model_state(app: Any) -> tuple[BackendState, dict[str, int], str | None]:
+    """(state, replicas by state in lower case, reason) of a model's application in serve.status()."""
+    status = _enum(app.status).upper()
+    deployment = app.deployments.get(MODEL_DEPLOYMENT)
+    replicas = {} if deployment is None else {
+        _enum(state).lower(): n for state, n in deployment.replica_states.items() if n}
+    message = ((deployment.message if deployment is not None else "") or app.message or "").strip()
+    running = replicas.get("running", 0)
+    if status == "DELETING":
+        return "stopped", replicas, None
+    trigger = _enum(deployment.status_trigger).upper() if deployment is not None else ""
+    # a replica that died (health check failed) is replaced by Serve: requests wait for it; replicas that
+    # fail to start (a bad source, a crashing constructor) will not come up on their own
+    if status == "DEPLOY_FAILED" or (status == "UNHEALTHY" and running == 0 and trigger == "REPLICA_STARTUP_FAILED"):
+        return "unavailable", replicas, short_reason(message) if message else f"its application is {status}"
+    return ("ready" if running else "scaled_to_zero"), replicas, None
+
+
+class ModelRegistry:
+    def __init__(self, gw: Any, db: Any, *, refresh_s: float, cold_start_timeout_s: float) -> None:
+        self.gw = gw
+        self.db = db
+        self.refresh_s = refresh_s
+        self.cold_start_timeout_s = cold_start_timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tollgate-registry", daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("model registry refresh failed")
+
+    def refresh(self) -> None:
+        apps = {model: app for name, app in serve.status().applications.items()
+                if (model := model_of_app(name)) is not None}
+        recorded = deployed_specs(self.db)
+        current: dict[str, ModelBackend] = self.gw.models.backends
+        backends: dict[str, ModelBackend] = {}
+        specs: dict[str, ModelSpec] = {}
+        for name, app in apps.items():
+            spec = self._spec(name, recorded.get(name))
+            backend = current.get(name)
+            if not isinstance(backend, RayModelBackend):
+                backend = RayModelBackend(name, serve.get_app_handle(model_app_name(name)),
+                                          max_model_len=spec.max_model_len if spec else None,
+                                          cold_start_timeout_s=self.cold_start_timeout_s)
+            elif spec is not None:
+                backend.max_model_len = spec.max_model_len
+            backend.state, backend.replica_states, backend.reason = model_state(app)
+            backends[name] = backend
+            if spec is not None:
+                specs[name] = spec
+        self.gw.models = DeployedModels(backends, specs)
+
+    @staticmethod
+    def _spec(name: str, data: dict[str, Any] | None) -> ModelSpec | None:
+        if data is None:
+            return None
+        try:
+            return parse_spec(data, f"model {name}")
+        except SpecError as e:  # a row written by an older version: serve the model, price and route it not
+            log.warning("recorded spec of %s no longer validates: %s", name, e)
+            return None

@@ -1,0 +1,64 @@
+"""Data formats the engine and the kernels share: the staged decode step a CUDA graph unpacks, int4 weights packed
+eight to an int32, and the argmax candidates that tensor-parallel ranks exchange."""
+
+from __future__ import annotations
+
+import torch
+
+# ---- a staged decode step (engine/batch_inputs.py writes it, kernels/step_inputs.py unpacks it) ----------------
+
+STEP_HEADER_WORDS = 4  # a staged step's sequences, block-table width, previous tokens' address (0: none), unused
+
+
+def step_tables_offset(num_seqs: int, tokens_per_seq: int) -> int:
+    """Where a staged step's block tables start, in int32 words: after the header and the packed int64 sections
+    (token ids, positions, slots, previous-step rows, sequence ends, query starts), 16-byte aligned."""
+    words = STEP_HEADER_WORDS + 4 * num_seqs * tokens_per_seq + 2 * num_seqs + 1
+    return -(-words // 2) * 4
+
+
+def check_step_buffers(staging: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    if staging.dtype != torch.int64 or not staging.is_contiguous():
+        raise ValueError("staging: a contiguous int64 buffer expected")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens: int32 expected, the tables with rows of unit stride")
+
+
+# ---- int4 weights: qweight [N, K/8] int32 ---------------------------------------------------------------------
+
+INT4_PER_WORD = 8
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] int32 -> [N, K] int32 in 0..15: nibble i (bits 4i..4i+3) of word j holds column 8j + i."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpack_int4: [N, K] integers in 0..15 -> [N, K/8] int32."""
+    n, k = values.shape
+    if k % INT4_PER_WORD:
+        raise ValueError(f"qweight: K={k} is not a multiple of {INT4_PER_WORD}")
+    nibbles = values.to(torch.int64).reshape(n, k // INT4_PER_WORD, INT4_PER_WORD)
+    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
+    words = (nibbles << shifts).sum(dim=-1)  # < 2**32: the nibbles do not overlap
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# ---- argmax candidates over vocabulary shards: [N, C, 2] float32, a chunk's largest value and its index ----------
+
+ARGMAX_CHUNK = 4096  # columns a candidate of argmax_candidates covers
+
+
+def check_candidate_inputs(x: torch.Tensor, offset: int, width: int) -> None:
+    if x.dim() != 2 or not 0 <= x.shape[1] <= width:
+        raise ValueError(f"argmax_candidates: x [N, V] with V <= width {width} expected, got {tuple(x.shape)}")
+    if offset < 0 or offset + width >= 1 << 24:
+        raise ValueError(f"argmax_candidates: indices offset..offset + width must lie in [0, 2^24) (exact in "
+                         f"float32), got {offset}..{offset + width}")
+
+
+def check_candidates(candidates: torch.Tensor) -> None:
+    if candidates.dim() != 4 or candidates.shape[-1] != 2:
+        raise ValueError(f"pick_argmax_candidate: candidates [S, N, C, 2] expected, got {tuple(candidates.shape)}")
