@@ -475,7 +475,12 @@ def test_sigterm_drains_the_platform_then_stops_it(platform: Platform) -> None:
         t.start()
     started.wait()
     stopper.send_signal(signal.SIGTERM)
-    late = wait_until(lambda: (r := platform.chat(max_tokens=2)).status_code == 503 and r, 30, "new requests refused")
+    try:
+        late = wait_until(lambda: (r := platform.chat(max_tokens=2)).status_code == 503 and r, 30,
+                          "new requests refused")
+    except Exception:
+        stopper.kill()
+        raise AssertionError(f"no 503 while draining; the stopping process said: {stopper.communicate()[0]}")
     assert late.json()["error"]["code"] == "service_unavailable"
     for t in threads:
         t.join(180)
