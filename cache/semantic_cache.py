@@ -25,6 +25,8 @@ class TextEncoder(Protocol):
 
     def encode(self, texts: list[str]) -> np.ndarray: ...
 
+    def sees_all_of(self, text: str) -> bool: ...
+
 
 @dataclass
 class _Entry:
@@ -83,6 +85,9 @@ class SemanticCache:
             exact = self._exact_hit(namespace, prompt, now)
             if exact is not None:
                 return self._count(namespace, exact, now)
+        if embedding is None and not self.embedder.sees_all_of(prompt):
+            with self._lock:  # longer than the embedder reads: only the very same text may be served
+                return self._count(namespace, None, now)
         q = self._embed(prompt) if embedding is None else embedding
         now = self._clock()
         with self._lock:

@@ -29,9 +29,23 @@ class _Stream:
     queue: asyncio.Queue
 
 
+# prompts longer than this are tokenized in a worker thread, so that a huge one never stalls the event loop
+# (the short ones, nearly all, skip the thread hop)
+TOKENIZE_IN_THREAD_CHARS = 20_000
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: a prompt of C characters has at least
+    C / this many tokens, a bound that costs nothing to check before tokenizing."""
+    if tokenizer is None:
+        return 1
+    return max((len(t) for t in tokenizer.hf.get_vocab()), default=1) or 1
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._longest_token = longest_token_chars(engine.tokenizer)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[tuple[str, Any]] = []
@@ -62,6 +76,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per engine step with new text; the last has finished=True.
         Bad input raises ValueError before anything is yielded."""
@@ -70,9 +85,14 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
         # validation runs here, in the caller, so errors surface before the first yield
-        _, token_ids = self.engine.encode_prompt(prompt)
-        # a served request must fit whole: max_tokens beyond the context is an error, not silently capped
         limit = self.engine.max_model_len
+        if isinstance(prompt, str) and len(prompt) // self._longest_token >= limit:
+            raise PromptTooLongError(len(prompt) // self._longest_token, limit, at_least=True)
+        if isinstance(prompt, str) and len(prompt) > TOKENIZE_IN_THREAD_CHARS:
+            _, token_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)
+        else:
+            _, token_ids = self.engine.encode_prompt(prompt)
+        # a served request must fit whole: max_tokens beyond the context is an error, not silently capped
         if len(token_ids) >= limit:
             raise PromptTooLongError(len(token_ids), limit)
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
@@ -84,7 +104,7 @@ class AsyncEngine:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             self._streams[request_id] = stream
             self._inbox.append(("add", (request_id, prompt if isinstance(prompt, str) else token_ids, params, priority,
-                                        time.monotonic())))
+                                        time.monotonic(), cache_salt)))
             self._wakeup.notify()
         try:
             while True:
@@ -136,11 +156,11 @@ class AsyncEngine:
         inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "add":
-                request_id, prompt, params, priority, arrival = payload
+                request_id, prompt, params, priority, arrival, cache_salt = payload
                 if request_id not in self._streams:
                     continue  # the consumer left before the request reached the engine
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, arrival)
+                    self.engine.add_request(request_id, prompt, params, priority, arrival, cache_salt=cache_salt)
                 except ValueError as exc:
                     self._deliver(request_id, exc)
             else:

@@ -54,36 +54,50 @@ class EngineConfig:
     int4_int8_activations: bool = True
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path or name")
-        _require(isinstance(self.dtype, str) and self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
-                 "device",
-                 f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0,
-                 "block_size", f"must be a positive multiple of 8, got {self.block_size!r}")
-        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
-                 "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0, "max_num_seqs",
-                 f"must be a positive integer, got {self.max_num_seqs!r}")
-        _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
-                 "max_num_batched_tokens", f"must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _require(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
-                 "gpu_memory_utilization",
-                 f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _require(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks > 0),
-                 "num_kv_blocks", f"must be a positive integer, got {self.num_kv_blocks!r}")
-        _require(_is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib",
-                 f"must be positive, got {self.cpu_kv_cache_gib!r}")
-        _require(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _require(self.quantization in _QUANTIZATIONS, "quantization",
-                 f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
-        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-                 "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        for switch in ("async_scheduling", "tp_greedy_on_shards", "tp_fused_norm", "int4_int8_activations"):
+        """Every bad field at once: a ValueError with one `field: problem` line each."""
+        problems: list[str] = []
+
+        def check(ok: bool, field_name: str, message: str) -> None:
+            if not ok:
+                problems.append(f"{field_name}: {message}")
+
+        def positive_int(name: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            check((optional and value is None) or (_is_int(value) and value > 0), name,
+                  f"must be a positive integer, got {value!r}")
+
+        check(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path or name")
+        check(isinstance(self.dtype, str) and self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        check(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
+              "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check(_is_int(self.block_size) and self.block_size > 0 and self.block_size % 8 == 0, "block_size",
+              f"must be a positive integer multiple of 8, got {self.block_size!r}")
+        positive_int("max_model_len", optional=True)
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens")
+        positive_int("num_kv_blocks", optional=True)
+        check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        check(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+              "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(_is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib",
+              f"must be positive, got {self.cpu_kv_cache_gib!r}")
+        check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check(self.quantization in _QUANTIZATIONS, "quantization",
+              f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+              f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for switch in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "tp_greedy_on_shards",
+                       "tp_fused_norm", "int4_int8_activations"):
             value = getattr(self, switch)
-            _require(isinstance(value, bool), switch, f"must be true or false, got {value!r}")
-        _ = self.speculative  # parses and checks speculative_config once; readers get the cached result
+            check(isinstance(value, bool), switch, f"must be true or false, got {value!r}")
+        if not problems:
+            try:
+                _ = self.speculative  # parses and checks speculative_config once; readers get the cached result
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("\n".join(problems))
 
     @cached_property
     def speculative(self) -> SpeculativeConfig | None:
@@ -152,6 +166,10 @@ class SamplingParams:
         _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
                  f"must be an integer in [0, 20], got {self.logprobs!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # YAML's true is no block count
 
 
 def _is_number(x: object) -> bool:

@@ -14,7 +14,7 @@ from engine.sequence import Sequence
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_id")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_id", "salt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -22,6 +22,7 @@ class KVBlock:
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
         self.parent_id: int | None = None
+        self.salt: str | None = None
 
 
 class BlockPool:
@@ -66,31 +67,39 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent_id: int | None) -> int | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent_id: int | None,
+               salt: str | None = None) -> int | None:
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != token_ids or block.parent_id != parent_id:
+        if block.token_ids != token_ids or block.parent_id != parent_id or block.salt != salt:
             return None
         return block_id
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], parent_id: int | None) -> None:
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], parent_id: int | None,
+                 salt: str | None = None) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
             return
-        block.block_hash, block.token_ids, block.parent_id = block_hash, token_ids, parent_id
+        block.block_hash, block.token_ids, block.parent_id, block.salt = block_hash, token_ids, parent_id, salt
         self.cached[block_hash] = block_id
 
     def _uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-            block.block_hash, block.token_ids, block.parent_id = None, (), None
+            block.block_hash, block.token_ids, block.parent_id, block.salt = None, (), None, None
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def root_hash(salt: str | None) -> int | None:
+    """The parent of a sequence's first block: a salt (vLLM's cache_salt; the gateway gives each tenant
+    its own) starts a chain that no other salt's blocks can match."""
+    return None if salt is None else hash(("cache_salt", salt))
 
 
 class KVCacheManager:
@@ -119,7 +128,7 @@ class KVCacheManager:
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq.cache_salt)
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -133,7 +142,7 @@ class KVCacheManager:
         parent_id: int | None = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block_id = self.pool.lookup(seq.block_hashes[i], tokens, parent_id)
+            block_id = self.pool.lookup(seq.block_hashes[i], tokens, parent_id, seq.cache_salt)
             if block_id is None:
                 break
             found.append(block_id)
@@ -171,7 +180,8 @@ class KVCacheManager:
             if self.pool.blocks[block_id].block_hash is not None:
                 continue
             parent_id = seq.block_ids[i - 1] if i else None
-            self.pool.register(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent_id)
+            self.pool.register(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent_id,
+                               seq.cache_salt)
         seq.num_registered_blocks = num_full
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

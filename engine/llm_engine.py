@@ -116,8 +116,10 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         stream: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
-        """Validates and queues a request. Bad input raises ValueError and changes nothing."""
+        """Validates and queues a request. Bad input raises ValueError and changes nothing. `cache_salt`: the
+        request reuses (and leaves) prefix-cache blocks only for requests with the same salt."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -135,7 +137,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device)
+            seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device, cache_salt)
             seq.max_num_tokens = longest
             seqs.append(seq)
         state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(arrival, num_prompt_tokens=len(ids)),

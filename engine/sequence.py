@@ -35,8 +35,10 @@ class Sequence:
         arrival_time: float,
         seed: int | None,
         device: torch.device,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # prefix-cache blocks are shared only among sequences with the same salt
         self.index = index
         self.order = next(_counter)
         self.token_ids: list[int] = list(prompt_token_ids)

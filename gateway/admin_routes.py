@@ -50,12 +50,12 @@ async def flush_tenant_cache(body: CacheFlush, gw: Gateway = Depends(require_adm
     if cache is None:
         raise invalid_request("the semantic cache is not enabled on this gateway")
 
-    def tenant_id() -> int | None:
+    def tenant_uid() -> str | None:
         with Session(gw.db) as s:
-            return s.scalar(select(Tenant.id).where(Tenant.name == body.tenant))
+            return s.scalar(select(Tenant.uid).where(Tenant.name == body.tenant))
 
-    found = await run_in_threadpool(tenant_id)
+    found = await run_in_threadpool(tenant_uid)
     if found is None:
         raise invalid_request(f"tenant: no tenant named {body.tenant!r}", "tenant", "tenant_not_found")
-    removed = await run_in_threadpool(cache.flush, str(found))
+    removed = await run_in_threadpool(cache.flush, found)
     return {"tenant": body.tenant, "flushed": removed}

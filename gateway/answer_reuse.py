@@ -51,10 +51,10 @@ class AnswerReuse:
             raise model_not_found(AUTO_MODEL)
         return route(messages, candidates, max_tokens)
 
-    async def lookup(self, tenant_id: int, model: str, body: Mapping[str, Any]) -> CacheOutcome:
+    async def lookup(self, tenant_uid: str, model: str, body: Mapping[str, Any]) -> CacheOutcome:
         if self.cache is None:
             return CacheOutcome(None)
-        decision = namespace_for_request(str(tenant_id), model, body, TenantCacheSettings())
+        decision = namespace_for_request(tenant_uid, model, body, TenantCacheSettings())
         if not decision.cacheable:
             return CacheOutcome(decision)
         try:  # embedding the prompt is CPU work: keep it off the event loop
@@ -89,7 +89,7 @@ async def hit_stream(request_id: str, hit: Hit) -> AsyncIterator[GenerationChunk
     completion_tokens = int(hit.usage.get("completion_tokens", 0))
     yield GenerationChunk(
         request_id=request_id,
-        choices=[ChoiceDelta(0, hit.answer, completion_tokens, "stop")],
+        choices=[ChoiceDelta(0, hit.answer, completion_tokens, str(hit.usage.get("finish_reason") or "stop"))],
         prompt_tokens=prompt_tokens,
         cached_tokens=0,
         completion_tokens=completion_tokens,

@@ -14,7 +14,7 @@ from sqlalchemy import Engine
 
 from billing.deployments import record_deployments
 from gateway import errors
-from gateway.access_log import drop_query_strings
+from gateway.access_log import redact_access_log
 from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth_throttle import FailedAuthThrottle
@@ -23,6 +23,7 @@ from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
 from gateway.deployed import DeployedModels
 from gateway.drain import InFlight, InFlightMiddleware
+from gateway.request_id import RequestIdMiddleware
 from gateway.routes import router
 from gateway.service import Gateway
 from gateway.settings import Settings
@@ -32,9 +33,10 @@ log = logging.getLogger("tollgate.gateway")
 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
-               own_backends: bool = False) -> FastAPI:
+               own_backends: bool = False, behind_serve: bool = False) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
-    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained."""
+    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained.
+    `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request)."""
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
@@ -43,9 +45,10 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        drop_query_strings()
+        redact_access_log()
         record_deployments(db, [spec.model_dump(mode="json") for spec in specs])
         gw.ledger.start()
+        gw.keeper.start()
         if settings.semantic_cache:
             gw.reuse.cache = await asyncio.to_thread(open_semantic_cache, settings)
         if own_backends:
@@ -61,6 +64,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                     if isinstance(backend, LocalEngineBackend):
                         backend.stop()
             gw.ledger.close()
+            gw.keeper.stop()
             if gw.reuse.cache is not None:
                 gw.reuse.cache.close()
 
@@ -76,6 +80,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(InFlightMiddleware, in_flight=in_flight)
+    if not behind_serve:
+        app.add_middleware(RequestIdMiddleware)
     return app
 
 

@@ -23,6 +23,7 @@ class Principal:
     key_prefix: str
     tenant_id: int
     tenant: str
+    tenant_uid: str  # the tenant's identity for caches and KV salts (ids repeat across databases)
     project: str | None
     rpm: int | None
     tpm: int | None
@@ -39,7 +40,7 @@ class KeyStore:
         self._lock = threading.Lock()
         self._query = (
             select(ApiKey.id, ApiKey.key_hash, ApiKey.prefix, ApiKey.revoked, ApiKey.project, ApiKey.rpm,
-                   ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd)
+                   ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd, Tenant.uid)
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
         )
 
@@ -97,4 +98,5 @@ class KeyStore:
         if row is None or not hmac.compare_digest(row[1], digest) or row[3]:
             return None
         return Principal(key_id=row[0], key_prefix=row[2], project=row[4], rpm=row[5], tpm=row[6],
-                         key_budget_usd=row[7], tenant_id=row[8], tenant=row[9], tenant_budget_usd=row[10])
+                         key_budget_usd=row[7], tenant_id=row[8], tenant=row[9], tenant_budget_usd=row[10],
+                         tenant_uid=row[11])

@@ -17,6 +17,7 @@ from gateway.specs import ModelSpec
 # unavailable: cannot serve (BackendInfo.reason says why); stopped: shut down
 BackendState = Literal["ready", "scaled_to_zero", "loading", "unavailable", "stopped"]
 SERVING_STATES = ("ready", "scaled_to_zero")
+TEMPLATE_IN_THREAD_CHARS = 20_000  # longer chats are rendered off the event loop
 
 
 @dataclass
@@ -26,6 +27,8 @@ class GenerationRequest:
     messages: list[dict[str, str]] | None = None  # chat: rendered with the model's chat template
     prompt: str | list[int] | None = None  # completions
     priority: int = 0
+    # prefix-cache blocks are shared only among requests with the same salt (the gateway's: per tenant)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -138,13 +141,18 @@ class LocalEngineBackend:
             raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}{why}")
         engine = self._engine
         if request.messages is not None:
-            prompt: str | list[int] = engine.tokenizer.apply_chat_template(request.messages)
+            if sum(len(m.get("content") or "") for m in request.messages) > TEMPLATE_IN_THREAD_CHARS:
+                prompt: str | list[int] = await asyncio.to_thread(engine.tokenizer.apply_chat_template,
+                                                                  request.messages)
+            else:
+                prompt = engine.tokenizer.apply_chat_template(request.messages)
         elif request.prompt is not None:
             prompt = request.prompt
         else:
             raise ValueError("prompt: missing")
         finish_reported: set[int] = set()
-        async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority):
+        async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
+                                         cache_salt=request.cache_salt):
             yield self._chunk(out, finish_reported)
 
     def _chunk(self, out: RequestOutput, finish_reported: set[int]) -> GenerationChunk:

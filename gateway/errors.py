@@ -21,6 +21,7 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.recorded = False  # a usage event was recorded for the request (it settles the reservation)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,28 +1,34 @@
-"""rpm, tpm and monthly budgets, enforced before the model is called. The counters live in SQL so
-that every gateway process sharing the database sees the same numbers: the rpm check is one atomic
-upsert that only increments while under the limit."""
+"""rpm, tpm and monthly budgets, enforced before the model is called. Admission reserves the request's
+worst case in SQL (billing/reservations.py): every gateway process sharing the database sees the same
+counters, and each check-and-add is one conditional statement, so concurrent requests can never
+spend past a budget or a tpm limit. The ledger settles each reservation to the exact cost when it
+writes the request's usage event; a refusal after admission releases it."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, and_, or_, select
+from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from billing.db import dialect_insert
 from billing.ledger import Ledger
-from billing.models import RateWindow, SpendCounter
-from billing.periods import minute_of, month_of, seconds_to_next_minute
+from billing.money import usd
+from billing.periods import seconds_to_next_minute
+from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve
 from gateway.auth import Principal
-from gateway.errors import insufficient_quota, rate_limited
+from gateway.errors import APIError, insufficient_quota, rate_limited
 from gateway.outage_log import warn_once
+
+log = logging.getLogger("tollgate.limits")
 
 
 @dataclass(frozen=True)
 class RateLimitHeaders:
     """OpenAI's x-ratelimit-* headers for a key with rpm / tpm limits: each limit, what is left of it in
-    the current minute, and when the minute resets."""
+    the current minute (reservations of requests in flight count as used), and when the minute resets."""
 
     rpm: int | None
     tpm: int | None
@@ -43,97 +49,94 @@ class RateLimitHeaders:
         return out
 
 
+def budgets_of(p: Principal) -> Budgets:
+    return Budgets(p.tenant_id, p.key_id, p.key_budget_usd, p.tenant_budget_usd, p.rpm, p.tpm)
+
+
 class Limiter:
-    def __init__(self, engine: Engine, ledger: Ledger | None = None) -> None:
+    def __init__(self, engine: Engine, ledger: Ledger | None = None, owner: str | None = None) -> None:
         self._engine = engine
         self._ledger = ledger
+        self.owner = owner or process_id()
+        self._unreleased: set[str] = set()  # releases that failed (database down): retried by retry_releases()
+        self._lock = threading.Lock()
 
-    def admit(self, p: Principal, now: float | None = None) -> RateLimitHeaders | None:
-        """Raise a 429 APIError when the key may not make a request now; otherwise count it and return
-        the rate-limit headers (None for a key without rpm / tpm, or while the database is unreachable)."""
+    def admit(self, p: Principal, request_id: str, worst: Worst, *, model: str, endpoint: str,
+              now: float | None = None) -> RateLimitHeaders | None:
+        """Reserve `worst` for this request against the key's and the tenant's limits; a 429 APIError when
+        they do not leave room. Returns the rate-limit headers (None without rpm / tpm, or with the
+        database unreachable: then admission fails open on what this process knows)."""
         now = time.time() if now is None else now
         try:
-            if p.key_budget_usd is not None or p.tenant_budget_usd is not None:
-                self._check_budget(p, now)
-            if p.rpm is not None or p.tpm is not None:
-                return self._take_request(p, now)
+            result = reserve(self._engine, request_id, self.owner, budgets_of(p), worst, model=model,
+                             endpoint=endpoint, now=now)
         except OperationalError:
             self._admit_without_database(p, now)
-        return None
+            return None
+        if isinstance(result, Refusal):
+            raise refusal_error(p, result)
+        return _headers(p, result)
+
+    def release(self, request_id: str) -> None:
+        """The request was refused after admission (no usage event follows): give its reservation back."""
+        try:
+            release(self._engine, [request_id])
+        except OperationalError:
+            with self._lock:
+                self._unreleased.add(request_id)
+
+    def retry_releases(self) -> None:
+        with self._lock:
+            ids, self._unreleased = list(self._unreleased), set()
+        if not ids:
+            return
+        try:
+            release(self._engine, ids)
+        except OperationalError:
+            with self._lock:
+                self._unreleased.update(ids)
 
     def _admit_without_database(self, p: Principal, now: float) -> None:
         """The database is unreachable: fail open (logged), enforcing only what this process knows, the
         spend and tokens it has recorded and not yet written. Serving a tenant through an outage beats
-        refusing it; the overshoot is bounded by the outage's length."""
+        refusing it; the overshoot is bounded by the outage's length (RELIABILITY.md)."""
         warn_once("limits database unreachable; admitting requests on in-memory counts only")
-        pending_tokens = self._ledger.pending_tokens(p.key_id) if self._ledger else 0
+        ledger = self._ledger
+        pending_tokens = ledger.pending_tokens(p.key_id) if ledger else 0
         if p.tpm is not None and pending_tokens >= p.tpm:
-            raise self._tpm_error(p, pending_tokens, seconds_to_next_minute(now))
-        if p.key_budget_usd is not None and self._pending_spend("key", p.key_id) >= p.key_budget_usd:
-            raise insufficient_quota(f"This API key has spent its monthly budget of ${p.key_budget_usd:.2f}.")
-        if p.tenant_budget_usd is not None and self._pending_spend("tenant", p.tenant_id) >= p.tenant_budget_usd:
-            raise insufficient_quota(f"Tenant {p.tenant!r} has spent its monthly budget of "
-                                     f"${p.tenant_budget_usd:.2f}.")
+            raise rate_limited(f"Rate limit reached for tokens per minute: limit {p.tpm}, used {pending_tokens}.",
+                               seconds_to_next_minute(now))
+        for scope, scope_id, budget in (("key", p.key_id, p.key_budget_usd), ("tenant", p.tenant_id,
+                                                                              p.tenant_budget_usd)):
+            spent = ledger.pending_spend(scope, scope_id) if ledger else 0.0
+            if budget is not None and spent >= budget:
+                raise insufficient_quota(f"{_whose(p, scope)} monthly budget of {usd(budget)} is spent.")
 
-    def _check_budget(self, p: Principal, now: float) -> None:
-        period = month_of(now)
-        scopes = []
-        if p.key_budget_usd is not None:
-            scopes.append(and_(SpendCounter.scope == "key", SpendCounter.scope_id == p.key_id))
-        if p.tenant_budget_usd is not None:
-            scopes.append(and_(SpendCounter.scope == "tenant", SpendCounter.scope_id == p.tenant_id))
-        q = select(SpendCounter.scope, SpendCounter.spent_usd).where(SpendCounter.period == period, or_(*scopes))
-        with self._engine.connect() as conn:
-            spent = {scope: usd for scope, usd in conn.execute(q)}
-        key_spent = spent.get("key", 0.0) + self._pending_spend("key", p.key_id)
-        tenant_spent = spent.get("tenant", 0.0) + self._pending_spend("tenant", p.tenant_id)
-        if p.key_budget_usd is not None and key_spent >= p.key_budget_usd:
-            raise insufficient_quota(f"This API key has spent its monthly budget of ${p.key_budget_usd:.2f} "
-                                     f"(spent ${key_spent:.6f} in {period}).")
-        if p.tenant_budget_usd is not None and tenant_spent >= p.tenant_budget_usd:
-            raise insufficient_quota(f"Tenant {p.tenant!r} has spent its monthly budget of "
-                                     f"${p.tenant_budget_usd:.2f} (spent ${tenant_spent:.6f} in {period}).")
 
-    def _take_request(self, p: Principal, now: float) -> RateLimitHeaders:
-        minute = minute_of(now)
-        retry_after = seconds_to_next_minute(now)
-        if p.rpm == 0:
-            raise rate_limited("This API key may not make requests (rpm limit 0).", retry_after)
-        pending_tokens = self._ledger.pending_tokens(p.key_id) if self._ledger else 0
-        if p.tpm is not None and pending_tokens >= p.tpm:
-            raise self._tpm_error(p, pending_tokens, retry_after)
-        conditions = []
-        if p.rpm is not None:
-            conditions.append(RateWindow.requests < p.rpm)
-        if p.tpm is not None:
-            conditions.append(RateWindow.tokens < p.tpm - pending_tokens)
-        stmt = dialect_insert(self._engine, RateWindow).values(api_key_id=p.key_id, minute=minute, requests=1,
-                                                              tokens=0)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["api_key_id", "minute"],
-            set_={"requests": RateWindow.requests + 1},
-            where=and_(*conditions),
-        ).returning(RateWindow.requests, RateWindow.tokens)
-        with self._engine.begin() as conn:
-            admitted = conn.execute(stmt).first()
-            if admitted is not None:
-                return RateLimitHeaders(p.rpm, p.tpm, admitted.requests, admitted.tokens + pending_tokens,
-                                        retry_after)
-            used = conn.execute(select(RateWindow.requests, RateWindow.tokens).where(
-                RateWindow.api_key_id == p.key_id, RateWindow.minute == minute)).one()
-        if p.rpm is not None and used.requests >= p.rpm:
-            err = rate_limited(f"Rate limit reached for requests per minute: limit {p.rpm}, used {used.requests}. "
-                               f"Try again in {retry_after}s.", retry_after)
-        else:
-            err = self._tpm_error(p, used.tokens + pending_tokens, retry_after)
-        err.headers.update(RateLimitHeaders(p.rpm, p.tpm, used.requests, used.tokens + pending_tokens,
-                                            retry_after).headers())
-        raise err
+def _headers(p: Principal, admitted: Admitted) -> RateLimitHeaders | None:
+    if p.rpm is None and p.tpm is None:
+        return None
+    return RateLimitHeaders(p.rpm, p.tpm, admitted.requests_used, admitted.tokens_used, admitted.reset_s)
 
-    @staticmethod
-    def _tpm_error(p: Principal, used: int, retry_after: int):  # type: ignore[no-untyped-def]
-        return rate_limited(f"Rate limit reached for tokens per minute: limit {p.tpm}, used {used}. "
-                            f"Try again in {retry_after}s.", retry_after)
 
-    def _pending_spend(self, scope: str, scope_id: int) -> float:
-        return self._ledger.pending_spend(scope, scope_id) if self._ledger else 0.0
+def _whose(p: Principal, scope: str) -> str:
+    return "This API key's" if scope == "key" else f"Tenant {p.tenant!r}'s"
+
+
+def refusal_error(p: Principal, r: Refusal) -> APIError:
+    if r.kind == "budget":
+        left = max(0.0, r.limit - r.used - r.reserved)
+        return insufficient_quota(
+            f"{_whose(p, r.scope)} monthly budget of {usd(r.limit)} has {usd(left)} left ({usd(r.used)} spent, "
+            f"{usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} (its prompt "
+            "and max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to finish.")
+    if r.kind == "rpm":
+        err = rate_limited(f"Rate limit reached for requests per minute: limit {int(r.limit)}, used {int(r.used)}. "
+                           f"Try again in {r.retry_after_s}s.", r.retry_after_s)
+        err.headers.update(RateLimitHeaders(p.rpm, p.tpm, int(r.used), 0, r.retry_after_s).headers())
+        return err
+    err = rate_limited(f"Rate limit reached for tokens per minute: limit {int(r.limit)}, used {int(r.used)} "
+                       f"(requests in flight count with their prompt and max_tokens), this request needs up to "
+                       f"{int(r.asked)}. Try again in {r.retry_after_s}s, or lower max_tokens.", r.retry_after_s)
+    err.headers.update(RateLimitHeaders(p.rpm, p.tpm, 0, int(r.used), r.retry_after_s).headers())
+    return err

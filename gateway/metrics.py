@@ -228,16 +228,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-TENANT_SERIES_PREFIX = b"tollgate_tenant_"
-
-
-def without_tenant_series(text: bytes) -> bytes:
-    """The exposition text less every tollgate_tenant_* family (their samples and HELP/TYPE lines)."""
-    kept = []
-    for line in text.splitlines(keepends=True):
-        name = line.split(b" ", 3)[2] if line.startswith(b"# ") and line.count(b" ") >= 2 else line
-        if not name.startswith(TENANT_SERIES_PREFIX):
-            kept.append(line)
-    return b"".join(kept)

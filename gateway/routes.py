@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
@@ -15,7 +16,7 @@ from gateway.auth import Principal
 from gateway.auth_throttle import client_address
 from gateway.backends import GenerationRequest
 from gateway.errors import APIError, invalid_request
-from gateway.metrics import CONTENT_TYPE, without_tenant_series
+from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import RouteDecision
@@ -53,12 +54,12 @@ async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request, gw: Gateway = Depends(gateway)) -> Response:
-    """Per-tenant series (names, spend, budgets) only for a scrape with an admin key: tenants can reach
-    this port too, and must not learn about each other."""
-    text = gw.metrics.render()
+    """Only for a scrape with an admin key: tenants reach this port too, and every series here (requests,
+    tokens, latencies, cache hits, per-tenant spend) moves with other tenants' traffic."""
     if not await _is_admin(request, gw):
-        text = without_tenant_series(text)
-    return Response(text, media_type=CONTENT_TYPE)
+        raise APIError(401, "/metrics needs an admin key (`platform admin create-key`) as Authorization: Bearer; "
+                       "its series move with every tenant's traffic.", "invalid_request_error", "invalid_api_key")
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _is_admin(request: Request, gw: Gateway) -> bool:
@@ -96,7 +97,22 @@ async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(p
         model, route = decision.model, decision
     cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages),
-                      model=model, route=route, cache_view=cache_view)
+                      prompt_tokens_bound=chat_prompt_bound(messages), model=model, route=route, cache_view=cache_view)
+
+
+# A bound on a prompt's tokens before it is tokenized: a byte-level or byte-fallback tokenizer makes no more
+# tokens than the text has UTF-8 bytes (one more for a leading word marker); the chat template adds a few
+# tokens a message and a default system prompt.
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+TEMPLATE_TOKENS = 64
+
+
+def chat_prompt_bound(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages) + TEMPLATE_TOKENS
+
+
+def completion_prompt_bound(prompt: str | list[int]) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
 
 
 @router.post("/v1/completions")
@@ -113,28 +129,35 @@ async def completions(body: CompletionRequest, p: Principal = Depends(principal)
     if body.echo or body.suffix:
         raise invalid_request("echo and suffix are not supported", "echo" if body.echo else "suffix")
     fmt = CompletionFormat(body.logprobs is not None)
-    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt))
+    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt),
+                      prompt_tokens_bound=completion_prompt_bound(prompt))
 
 
 async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | CompletionRequest,
-               fmt: ChatFormat | CompletionFormat, make_request: Any, *, model: str | None = None,
-               route: RouteDecision | None = None, cache_view: dict[str, Any] | None = None) -> Response:
+               fmt: ChatFormat | CompletionFormat, make_request: Any, *, prompt_tokens_bound: int,
+               model: str | None = None, route: RouteDecision | None = None,
+               cache_view: dict[str, Any] | None = None) -> Response:
     """`model`: the deployed model to call (the router's choice for "auto"); `cache_view`: the request as
-    the semantic cache sees it (chat only)."""
+    the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens."""
     model = model or body.model
     headers = {}
+    request_id = gw.new_request_id(fmt)
+    reserved = False
     try:
         params = to_sampling_params(body)
         backend = gw.backend_for(model)
         if gw.needs_admission(p):
-            limits = await run_in_threadpool(gw.limiter.admit, p)
+            worst = gw.worst_case(model, backend, prompt_tokens_bound, params.max_tokens, params.n)
+            limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
+                                             endpoint=fmt.endpoint)
+            reserved = True
             if limits is not None:
                 headers.update(limits.headers())
-        call: Call = gw.new_call(p, model, backend, fmt, body.user, body.tags())
+        call: Call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags())
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header
-        outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(p.tenant_id, model, cache_view)
+        outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(p.tenant_uid, model, cache_view)
         if outcome.decision is not None:
             headers["x-tollgate-cache"] = outcome.header
         if outcome.hit is not None:
@@ -145,9 +168,17 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         else:
             if outcome.decision is not None and outcome.decision.cacheable:
                 call.cache_decision = outcome.decision
-            first, stream = await gw.begin(call, make_request(call.request_id, params))
-    except APIError as e:
-        gw.rejected(e)
+            generation = make_request(call.request_id, params)
+            generation.cache_salt = gw.cache_salt(p, model)
+            first, stream = await gw.begin(call, generation)
+    except BaseException as e:
+        # refused (or cancelled) after admission and before the model ran: no usage event follows, so the
+        # reservation goes back now; a failure that recorded one settles when the ledger writes it
+        if reserved and not getattr(e, "recorded", False):
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(gw.limiter.release, request_id)
+        if isinstance(e, APIError):
+            gw.rejected(e)
         raise
     headers["X-Request-Id"] = call.request_id
     if body.stream:

@@ -18,12 +18,13 @@ from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
 from billing.pricing import request_cost
+from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
 from engine.errors import PromptTooLongError
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
-from gateway.deployed import DeployedModels
+from gateway.deployed import DEFAULT_MAX_MODEL_LEN, DeployedModels
 from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
@@ -58,6 +59,7 @@ class Call:
     # set when the answer may be stored in the semantic cache once it completes
     cache_decision: CacheDecision | None = None
     answer_parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None  # of choice 0, kept with a cached answer
 
     def absorb(self, chunk: GenerationChunk) -> None:
         self.prompt_tokens = chunk.prompt_tokens
@@ -66,10 +68,18 @@ class Call:
         if self.ttft_s is None and chunk.ttft_s is not None:
             self.ttft_s = chunk.ttft_s
         if self.cache_decision is not None:
-            self.answer_parts.extend(c.text for c in chunk.choices if c.index == 0)
+            for c in chunk.choices:
+                if c.index == 0:
+                    self.answer_parts.append(c.text)
+                    self.finish_reason = c.finish_reason or self.finish_reason
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def _recorded(err: APIError) -> APIError:
+    err.recorded = True
+    return err
 
 
 def short_timeout_engine(db: Engine, timeout_s: float) -> Engine:
@@ -94,6 +104,8 @@ class Gateway:
         self.keys = KeyStore(admission_db, ttl_s=key_cache_ttl_s)
         self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer)
         self.limiter = Limiter(admission_db, self.ledger)
+        # this process's heartbeat: while it beats, no other gateway releases its reservations
+        self.keeper = ReservationKeeper(admission_db, self.limiter.owner, also=self.limiter.retry_releases)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
         self.metrics.watch_budgets(db)
         self.metrics.watch_gpu_idle(db)
@@ -124,10 +136,29 @@ class Gateway:
     def needs_admission(self, p: Principal) -> bool:
         return any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
 
-    def new_call(self, p: Principal, model: str, backend: ModelBackend, fmt: Format, end_user: str | None,
-                 request_tags: list[str]) -> Call:
+    def worst_case(self, model: str, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
+                   n: int) -> Worst:
+        """What a request may cost at most: its prompt (a bound counted before tokenizing) and max_tokens × n
+        at the model's prices; without max_tokens, the whole context for each choice."""
+        per_choice = max_tokens if max_tokens is not None else (backend.info().max_model_len or DEFAULT_MAX_MODEL_LEN)
+        completion = per_choice * n
+        cost = request_cost(self.models.prices(model), prompt_tokens_bound, completion)
+        return Worst(cost, prompt_tokens_bound + completion)
+
+    def cache_salt(self, p: Principal, model: str) -> str | None:
+        """Whose prefix-cache blocks this request may reuse (the model spec's prefix_sharing; tenant by default)."""
+        spec = self.models.specs.get(model)
+        sharing = spec.prefix_sharing if spec is not None else "tenant"
+        return {"tenant": f"tenant:{p.tenant_uid}", "key": f"key:{p.tenant_uid}:{p.key_id}", "all": None}[sharing]
+
+    @staticmethod
+    def new_request_id(fmt: Format) -> str:
+        return f"{fmt.id_prefix}{uuid.uuid4().hex}"
+
+    def new_call(self, request_id: str, p: Principal, model: str, backend: ModelBackend, fmt: Format,
+                 end_user: str | None, request_tags: list[str]) -> Call:
         tags = ([p.project] if p.project else []) + request_tags
-        return Call(f"{fmt.id_prefix}{uuid.uuid4().hex}", p, model, backend, fmt, end_user, tags)
+        return Call(request_id, p, model, backend, fmt, end_user, tags)
 
     # ---- the model call ---------------------------------------------------------------------
 
@@ -144,11 +175,11 @@ class Gateway:
             raise unavailable(str(e)) from e
         except StopAsyncIteration as e:
             self.record(call, "failed", "no output")
-            raise server_error() from e
+            raise _recorded(server_error()) from e
         except Exception as e:
             log.exception("model %s failed before its first output", call.model)
             self.record(call, "failed", type(e).__name__)
-            raise server_error() from e
+            raise _recorded(server_error()) from e
         call.prompt_tokens, call.cached_tokens = first.prompt_tokens, first.cached_tokens
         return first, stream
 
@@ -215,7 +246,7 @@ class Gateway:
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
                 self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
                     "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
-                    "cost_usd": self._list_price(call)})
+                    "cost_usd": self._list_price(call), "finish_reason": call.finish_reason or "stop"})
 
     # ---- the ledger -------------------------------------------------------------------------
 

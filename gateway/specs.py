@@ -1,5 +1,5 @@
-"""Model specs: the YAML files under platform/models/ (see DESIGN.md). Every validation error names
-its field path (`autoscaling.max_replicas: ...`)."""
+"""Model specs: the YAML files under platform/models/ (README, "The `platform` command"). Every
+validation error names its field path (`autoscaling.max_replicas: ...`)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,9 @@ class ModelSpec(BaseModel):
     size: Literal["small", "large"] = "small"
     tasks: list[str] = Field(default_factory=lambda: ["chat"])
     engine: dict[str, Any] = Field(default_factory=dict)
+    # who may reuse the KV prefix cache blocks another request left: requests of the same tenant (default),
+    # of the same API key, or anyone's (one tenant's timing and cached_tokens then reveal another's prompts)
+    prefix_sharing: Literal["tenant", "key", "all"] = "tenant"
     resources: Resources = Field(default_factory=Resources)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pricing: Pricing = Field(default_factory=Pricing)
@@ -104,14 +107,16 @@ class ModelSpec(BaseModel):
 
 
 def engine_config(spec: ModelSpec) -> EngineConfig:
-    """The spec's EngineConfig; a bad value is a ValueError `engine.<field>: ...`."""
+    """The spec's EngineConfig; bad values are a ValueError of `engine.<field>: ...` lines, one a problem."""
     try:
         return EngineConfig.from_kwargs(spec.source, **spec.engine)
     except (ValueError, TypeError) as e:
-        field, sep, problem = str(e).partition(": ")
-        if sep and all(part.isidentifier() for part in field.split(".")):
-            raise ValueError(f"engine.{field}: {problem}") from None
-        raise ValueError(f"engine: {e}") from None
+        lines = []
+        for line in str(e).splitlines():
+            field, sep, problem = line.partition(": ")
+            ok = sep and all(part.isidentifier() for part in field.split("."))
+            lines.append(f"engine.{field}: {problem}" if ok else f"engine: {line}")
+        raise ValueError("\n".join(lines)) from None
 
 
 class SpecError(ValueError):
@@ -134,6 +139,9 @@ def _problems(e: ValidationError) -> list[str]:
             msg = rest
         if err.get("type") == "extra_forbidden":
             msg = "unknown field"
+        if not path and "\n" in msg:  # the engine block's problems, one a line
+            out.extend(msg.splitlines())
+            continue
         out.append(f"{path}: {msg}" if path else msg)
     return out
 
@@ -151,8 +159,11 @@ def load_spec(path: str | Path) -> ModelSpec:
     """A spec file: at most MAX_SPEC_BYTES of YAML read with safe_load (plain data, no Python objects) and
     no aliases, whose model paths lie under the allowed roots (gateway/model_roots.py)."""
     path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(MAX_SPEC_BYTES + 1)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(str(path), [f"file: cannot be read ({e.strerror or e})"]) from None
     if len(raw) > MAX_SPEC_BYTES:
         raise SpecError(str(path), [f"file: larger than {MAX_SPEC_BYTES} bytes; a model spec is a few lines"])
     try:

@@ -1,6 +1,6 @@
 """Every environment variable Tollgate reads, declared once: its type, default and one line of help.
 
-Nothing else in the project reads a `TOLLGATE_*` variable (tests/test_settings_registry.py fails if
+Nothing else in the project reads a `TOLLGATE_*` variable (tests/gateway/test_settings_registry.py fails if
 one does). Values are read when asked for, so a test that sets a variable sees it at once. This
 module imports only the standard library: the engine, the kernels, the cache and billing all use it.
 

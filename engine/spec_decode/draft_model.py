@@ -78,7 +78,7 @@ class DraftModelProposer:
         shadow = self.shadows.get(seq)
         if shadow is None:
             copy = Sequence(seq.request_id, seq.index, seq.token_ids, seq.params, seq.priority, seq.arrival_time,
-                            None, self.device)
+                            None, self.device, seq.cache_salt)
             self.shadows[seq] = _Shadow(copy, seq.num_tokens)
             return copy
         draft, target = shadow.seq.token_ids, seq.token_ids

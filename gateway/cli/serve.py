@@ -15,6 +15,7 @@ from typing import Any
 
 from billing.migrate import open_database
 from gateway.cli.output import print_rows
+from gateway.serving.ray_env import use_local_token_auth
 from gateway.settings import Settings
 from gateway.specs import ModelSpec, check_source, load_spec, load_specs
 
@@ -63,7 +64,10 @@ def register(sub: Any) -> None:
 
 def _with_flags(args: argparse.Namespace, settings: Settings, **flags: object) -> Settings:
     values = {"ray_address": getattr(args, "address", None), **flags}
-    return settings.model_copy(update={k: v for k, v in values.items() if v is not None})
+    settings = settings.model_copy(update={k: v for k, v in values.items() if v is not None})
+    if settings.ray_address is None:  # this home's own platform, reached by its recorded address
+        use_local_token_auth()
+    return settings
 
 
 def _log_setup(settings: Settings) -> None:
@@ -116,7 +120,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 def serve_platform(settings: Settings, specs: list[ModelSpec], key: str | None) -> int:
     """Start or join Ray, deploy the models and the gateway, print how to call it, serve until stopped."""
-    from gateway.serving.deploy import deploy_model, start_platform
+    from gateway.serving.deploy import deploy_model, deploy_unavailable, start_platform
     from gateway.serving.gateway_app import deploy_gateway
     from gateway.serving.model_cache import prepared_source
 
@@ -127,7 +131,8 @@ def serve_platform(settings: Settings, specs: list[ModelSpec], key: str | None) 
         try:
             check_source(spec)
         except ValueError as e:
-            print(f"not deploying {spec.name}: {e}", file=sys.stderr)
+            print(f"{spec.name} is unavailable: {e}", file=sys.stderr)
+            deploy_unavailable(db, spec, settings)
             continue
         try:  # convert a GGUF source here once, so that even the first cold start on this node loads fast
             prepared_source(spec.source)
@@ -174,8 +179,12 @@ def _print_welcome(settings: Settings, specs: list[ModelSpec], key: str | None) 
     print("models start on their first request (scale to zero when idle); Ctrl-C stops the platform")
     if key is not None:
         print(f"demo tenant {DEMO_TENANT!r}, API key: {key}")
+    if key is None:
+        print("make a key with `platform tenants create NAME` and `platform keys create --tenant NAME`, then "
+              "export TOLLGATE_KEY=<the key>")
     print("try:")
-    print(f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer {key or '$TOLLGATE_KEY'}' "
+    auth = f"-H 'Authorization: Bearer {key}'" if key else '-H "Authorization: Bearer $TOLLGATE_KEY"'
+    print(f"  curl {url}/v1/chat/completions {auth} "
           "-H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           "\"max_tokens\": 32}'")
@@ -202,53 +211,58 @@ def demo_key(settings: Settings) -> str:
 
 
 def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.serving.deploy import connect, deploy_model
+    settings = _with_flags(args, settings)  # before Ray is imported
+    from gateway.serving.deploy import connect, deploy_model, resource_shortfall
 
     spec = load_spec(args.spec)  # the spec whole (engine values too) first: a bad one never reaches the cluster
     check_source(spec)
-    settings = _with_flags(args, settings)
     db = open_database(settings.db_url)
-    connect(settings.ray_address)
+    connect(settings)
     deploy_model(db, spec, settings, check=False)
+    shortfall = resource_shortfall(spec)
+    if shortfall is not None:
+        print(f"warning: {spec.name}: {shortfall}", file=sys.stderr)
     print(f"deployed {spec.name} (replicas {spec.autoscaling.min_replicas}..{spec.autoscaling.max_replicas}, "
           f"num_gpus {spec.resources.num_gpus:g})")
     return 0
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    settings = _with_flags(args, settings)  # before Ray is imported
     from gateway.serving.deploy import connect
     from gateway.serving.status import platform_status
 
-    settings = _with_flags(args, settings)
     db = open_database(settings.db_url)
-    connect(settings.ray_address)
+    connect(settings)
     rows = platform_status(db)
     if args.json:
         print(json.dumps(rows))
         return 0
-    flat = [{**r, "replicas": ", ".join(f"{k}={v}" for k, v in r["replicas"].items()) or "0",
-             "reason": r["reason"] or ""} for r in rows]
+    flat = [{k: "" if v is None else v for k, v in r.items()} for r in rows]
+    for r in flat:
+        r["replicas"] = ", ".join(f"{k}={v}" for k, v in r["replicas"].items()) or "0"
     print_rows(flat, False)
     return 0
 
 
 def cmd_delete(args: argparse.Namespace, settings: Settings) -> int:
+    settings = _with_flags(args, settings)  # before Ray is imported
     from gateway.serving.deploy import connect, delete_model
 
-    connect(_with_flags(args, settings).ray_address)
+    connect(settings)
     delete_model(args.name)
     print(f"deleted {args.name}")
     return 0
 
 
 def cmd_scale(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.serving.deploy import connect, scale_model
-
     if args.min_replicas is None and args.max_replicas is None:
         raise ValueError("scale: give --min and/or --max")
-    settings = _with_flags(args, settings)
+    settings = _with_flags(args, settings)  # before Ray is imported
+    from gateway.serving.deploy import connect, scale_model
+
     db = open_database(settings.db_url)
-    connect(settings.ray_address)
+    connect(settings)
     spec = scale_model(db, args.name, settings, args.min_replicas, args.max_replicas)
     print(f"{spec.name}: replicas {spec.autoscaling.min_replicas}..{spec.autoscaling.max_replicas}")
     return 0

@@ -17,37 +17,71 @@ from gateway.settings import Settings
 from gateway.specs import ModelSpec, check_source, parse_spec
 
 
-def connect(address: str | None, *, start_local: bool = False, num_cpus: int | None = None,
-            quiet: bool = True) -> bool:
-    """Join the Ray cluster at `address` (or the local one); with start_local, start one when none runs.
-    True when this process started Ray."""
+PLATFORM_ADDRESS_FILE = "ray-address"  # under TOLLGATE_HOME: the cluster `platform up` started or joined
+
+
+def _ray_opts(quiet: bool) -> dict[str, Any]:
+    if quiet:  # Serve's own logger prints each handle it starts and each app it connects to
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    return {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet,
+            "configure_logging": True}
+
+
+def _recorded_address(settings: Settings) -> str | None:
+    path = settings.home / PLATFORM_ADDRESS_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+
+def connect(settings: Settings, *, quiet: bool = True) -> None:
+    """Join this home's platform: `--address` / RAY_ADDRESS when given, else the cluster that `platform up`
+    recorded under TOLLGATE_HOME. Never some other Ray that happens to run on the machine."""
     import ray
 
     if ray.is_initialized():
-        return False
-    if quiet:  # Serve's own logger prints each handle it starts and each app it connects to
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    opts: dict[str, Any] = {"logging_level": logging.ERROR if quiet else logging.WARNING,
-                            "log_to_driver": not quiet, "configure_logging": True}
+        return
+    address = settings.ray_address
+    if address is None:
+        address = _recorded_address(settings)
+    if address is None:
+        raise NoPlatform(f"no platform runs for {settings.home} (start it with `platform up`, or name a cluster "
+                         "with --address or RAY_ADDRESS)")
     try:
-        ray.init(address=address or "auto", **opts)
-        return False
+        ray.init(address=address, **_ray_opts(quiet))
     except ConnectionError:
-        if address or not start_local:
-            raise NoPlatform(f"no Ray cluster at {address or 'this machine'}; start the platform with "
-                             "`platform up`") from None
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **opts)
-    return True
+        raise NoPlatform(f"no Ray cluster answers at {address}; start the platform with `platform up`") from None
 
 
 def start_platform(settings: Settings) -> bool:
-    """Join (or start) Ray and start Serve's HTTP proxy on settings.host:port; True when this process
-    started Ray, and so owns the platform."""
+    """Join the cluster named by settings.ray_address, or this home's running platform, or start a local Ray
+    of its own; then start Serve's HTTP proxy on settings.host:port. True when this process started Ray,
+    and so owns the platform (and stops it on exit)."""
+    import ray
     from ray import serve
 
-    started = connect(settings.ray_address, start_local=True, quiet=False)
+    started = False
+    if not ray.is_initialized():
+        address = settings.ray_address
+        if address is None:
+            address = _recorded_address(settings)
+        try:
+            if address is None:
+                raise ConnectionError
+            ray.init(address=address, **_ray_opts(False))
+        except ConnectionError:
+            if settings.ray_address:
+                raise NoPlatform(f"no Ray cluster answers at {settings.ray_address}") from None
+            ray.init(address="local", include_dashboard=False, **_ray_opts(False))
+            started = True
+    settings.home.mkdir(parents=True, exist_ok=True)
+    (settings.home / PLATFORM_ADDRESS_FILE).write_text(ray.get_runtime_context().gcs_address + "\n")
     serve.start(http_options={"host": settings.host, "port": settings.port})
     return started
+
+
+def forget_platform(settings: Settings) -> None:
+    """The platform this home recorded is gone (it was stopped)."""
+    (settings.home / PLATFORM_ADDRESS_FILE).unlink(missing_ok=True)
 
 
 def recorded_spec(db: Engine, name: str) -> ModelSpec:
@@ -69,6 +103,35 @@ def deploy_model(db: Engine, spec: ModelSpec, settings: Settings, *, check: bool
     record_deployments(db, [spec.model_dump(mode="json")])
     serve.run(model_application(spec, settings, **deployment_options), name=model_app_name(spec.name),
               route_prefix=None)
+
+
+def resource_shortfall(spec: ModelSpec) -> str | None:
+    """Why no node of the cluster as it is now could hold one replica (None when one can). A cluster that
+    autoscales may still add such a node, so this warns and does not refuse."""
+    import ray
+
+    need = {"GPU": spec.resources.num_gpus, "CPU": spec.resources.num_cpus}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(node.get(k, 0.0) >= v for k, v in need.items() if v) for node in nodes):
+        return None
+    most = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in need}
+    return (f"no node of this cluster has {need['GPU']:g} GPUs and {need['CPU']:g} CPUs for one replica (the largest "
+            f"has {most['GPU']:g} GPUs, {most['CPU']:g} CPUs): its replicas start only once the cluster adds such a "
+            "node, and requests wait for the cold-start bound")
+
+
+def deploy_unavailable(db: Engine, spec: ModelSpec, settings: Settings) -> None:
+    """A spec whose weights are missing, served as unavailable: its application is deployed with one replica
+    that fails to start (once), so Serve, the gateway, `platform status` and the dashboard show the model
+    and the replica's reason, and its requests get a 503 naming it instead of a 404."""
+    data = spec.model_dump(mode="json")
+    data["autoscaling"].update(initial_replicas=1, min_replicas=0, max_replicas=max(1, spec.autoscaling.max_replicas))
+    # the replica only reports the missing weights: it needs no GPU, so it is scheduled on any node at once
+    data["resources"].update(num_gpus=0, num_cpus=0)
+    try:
+        deploy_model(db, parse_spec(data, f"model {spec.name}"), settings, check=False, max_constructor_retry_count=1)
+    except RuntimeError as e:  # serve.run reports the failed deploy; the application stays, DEPLOY_FAILED
+        logging.getLogger("tollgate.platform").info("%s deployed as unavailable: %s", spec.name, type(e).__name__)
 
 
 def delete_model(name: str) -> None:

@@ -17,11 +17,16 @@ from gateway.serving.ray_backend import PlatformHeaders, RayModelBackend
 from gateway.serving.registry import ModelRegistry
 from gateway.settings import Settings
 
+GATEWAY_MAX_ONGOING_REQUESTS = 10_000
+
 
 # a replica being replaced, scaled down or stopped first finishes its in-flight requests (long streams
 # included, up to settings.drain_s: gateway_app.py sets the graceful-shutdown bound), then its app's
 # lifespan closes the ledger, which writes (or spills) the usage events it still holds
-@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.5)
+# max_ongoing_requests: Serve's default (5) would queue the sixth concurrent stream in Serve's proxy; the
+# gateway is async and does its own admission, so a replica takes all it is sent
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.5,
+                  max_ongoing_requests=GATEWAY_MAX_ONGOING_REQUESTS)
 @serve.ingress()
 class GatewayIngress:
     async def __init__(self, settings: Settings, cache_handle: Any = None) -> None:
@@ -32,7 +37,7 @@ class GatewayIngress:
 
     async def __serve_build_asgi_app__(self) -> Any:
         # models reach the gateway through the registry (backends, specs for prices and the router)
-        app = create_app(self.settings.model_copy(update={"semantic_cache": False}), self.db, {}, [])
+        app = create_app(self.settings.model_copy(update={"semantic_cache": False}), self.db, {}, [], behind_serve=True)
         if self.cache_handle is not None:
             app.state.gateway.reuse.cache = ServeCacheClient(self.cache_handle)
         app.add_middleware(PlatformHeaders, retry_after_s=self.settings.retry_after_s)

@@ -49,11 +49,12 @@ class ReplicaError:
     num_prompt_tokens: int = 0
     max_model_len: int = 0
     max_tokens: int | None = None
+    at_least: bool = False
 
     @classmethod
     def of(cls, e: Exception) -> "ReplicaError | None":
         if isinstance(e, PromptTooLongError):
-            return cls("prompt_too_long", str(e), e.num_prompt_tokens, e.max_model_len, e.max_tokens)
+            return cls("prompt_too_long", str(e), e.num_prompt_tokens, e.max_model_len, e.max_tokens, e.at_least)
         if isinstance(e, ValueError):
             return cls("invalid", str(e))
         if isinstance(e, BackendUnavailable):
@@ -62,7 +63,7 @@ class ReplicaError:
 
     def exception(self) -> Exception:
         if self.kind == "prompt_too_long":
-            return PromptTooLongError(self.num_prompt_tokens, self.max_model_len, self.max_tokens)
+            return PromptTooLongError(self.num_prompt_tokens, self.max_model_len, self.max_tokens, self.at_least)
         if self.kind == "invalid":
             return ValueError(self.message)
         return BackendUnavailable(self.message)

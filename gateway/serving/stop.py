@@ -30,7 +30,10 @@ def stop_platform(settings: Settings) -> int:
     import ray
     from ray import serve
 
+    from gateway.serving.deploy import forget_platform
+
     left = drain_gateway(settings)
     serve.shutdown()
     ray.shutdown()
+    forget_platform(settings)
     return left

@@ -160,6 +160,9 @@ class CountingEmbedder:
         self.prompts += len(texts)
         return self.embedder.encode(texts, batch_size)
 
+    def sees_all_of(self, text: str) -> bool:
+        return self.embedder.sees_all_of(text)
+
 
 def test_an_exact_repeat_is_served_without_embedding(embedder, verifier, clock, tmp_path):
     from cache.semantic_cache import SemanticCache
@@ -180,3 +183,16 @@ def test_an_exact_repeat_is_served_without_embedding(embedder, verifier, clock, 
     assert cache.lookup(NS_A, QUESTION) is None  # expired: not served, and removed
     assert len(cache) == 0
     cache.close()
+
+
+def test_a_prompt_longer_than_the_embedder_reads_is_served_only_word_for_word(make_cache):
+    """all-MiniLM reads 256 word pieces: two long prompts that differ only after that embed the same, so
+    past that length only the very same text is a hit (found by a new user: a long document asked to be
+    translated, then asked for its animals, got the translation)."""
+    cache = make_cache()
+    document = " ".join(f"The {i}th paragraph tells of a fox, a heron and a mole by the river." for i in range(40))
+    first, second = f"{document}\nNow translate the first sentence into French.", f"{document}\nNow list three animals."
+    assert not cache.embedder.sees_all_of(first)
+    cache.store(NS_A, first, "Le premier paragraphe...", USAGE)
+    assert cache.lookup(NS_A, second) is None
+    assert cache.lookup(NS_A, first).answer == "Le premier paragraphe..."

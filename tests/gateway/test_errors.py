@@ -119,3 +119,14 @@ def test_max_tokens_beyond_the_context_is_a_400_not_a_silent_cap(server, shared_
     _assert_error(http.post("/v1/completions", json=body), 400, "context_length_exceeded", "max_tokens")
     assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
     assert _events(server, shared_db) == before + 1
+
+
+def test_every_response_carries_one_request_id_and_echoes_the_clients(server, http):
+    responses = [http.get("/v1/models"), httpx.get(server.url + "/v1/models"),  # 200, 401
+                 http.post(CHAT, json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})]  # 404
+    for r in responses:
+        assert len(r.headers.get_list("x-request-id")) == 1, (r.status_code, r.headers)
+    r = http.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.headers.get_list("x-request-id") == [r.json()["id"]]  # the completion's own id
+    r = http.get("/v1/models", headers={"x-request-id": "trace-42"})
+    assert r.headers.get_list("x-request-id") == ["trace-42"]

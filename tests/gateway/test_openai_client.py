@@ -91,6 +91,7 @@ def test_chat_logprobs(client):
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "models": {MODEL: "ready"}}
-    text = httpx.get(server.url + "/metrics").text
+    admin = server.app.state.admin_key
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}).text
     assert 'tollgate_requests_total{endpoint="chat.completions",model="smollm2-135m",status="ok"}' in text
     assert "tollgate_engine_kv_blocks_free" in text

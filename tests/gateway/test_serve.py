@@ -5,6 +5,7 @@ instance for the whole module; the model loads once per replica start (three tim
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -269,9 +270,11 @@ def test_deploy_scale_delete_status(platform: Platform) -> None:
         ops.delete_model("smollm2-other")
 
     # the CLI joins the running cluster
-    env = {"TOLLGATE_DATABASE_URL": platform.db_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json"], env=env, capture_output=True,
-                         text=True, timeout=90)
+    env = {"TOLLGATE_DATABASE_URL": platform.db_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+           **{k: v for k, v in os.environ.items() if k.startswith("RAY_")}}  # the cluster's token auth
+    address = ray.get_runtime_context().gcs_address  # never another Ray that may run on the machine
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json", "--address", address], env=env,
+                         capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
     assert [r["model"] for r in json.loads(out.stdout)] == [m]
 

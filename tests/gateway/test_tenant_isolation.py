@@ -115,12 +115,33 @@ def test_no_http_route_shows_one_tenant_another_tenants_usage(tenants):
         assert r.status_code in (403, 404), (path, r.status_code)
         assert_openai_error(r, 403, 404)
         assert "beta" not in r.text
-    # /metrics: per-tenant series (names, spend, budgets) only for a scrape with an admin key
+    # /metrics only for a scrape with an admin key: every series there moves with other tenants' traffic
     for key in (None, tenants.alpha, "tg-not-a-key"):
-        text = tenants.get("/metrics", key).text
-        assert "tollgate_requests_total" in text and 'tenant="' not in text and "beta" not in text
+        r = tenants.get("/metrics", key)
+        assert_openai_error(r, 401)
+        assert "tollgate_" not in r.text and "beta" not in r.text
     for admin in (ENV_ADMIN_KEY, tenants.admin):
         assert 'tollgate_tenant_spend_usd_total{tenant="beta"}' in tenants.get("/metrics", admin).text
+
+
+def test_one_tenants_prompt_prefix_is_never_another_tenants_cache_hit(tenants):
+    """The KV prefix cache is salted per tenant: beta sending alpha's long prefix computes it afresh
+    (cached_tokens 0, so neither timing nor usage tells beta what alpha sent), while alpha's own repeat hits."""
+    def long_prefix() -> str:
+        return " ".join(f"clause {i}: the {uuid.uuid4().hex[:6]} rule applies." for i in range(40))
+
+    def cached(key: str, prefix: str, question: str) -> int:
+        r = tenants.chat(key, f"{prefix}\n{question}")
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    alphas = long_prefix()
+    assert cached(tenants.alpha, alphas, "Which rule is first?") < 32  # new: at most the chat template's block
+    assert cached(tenants.alpha, alphas, "Which rule is last?") >= 256  # within a tenant the prefix is reused
+    # for beta, alpha's prefix is exactly as cached as a prefix no one ever sent
+    fresh = cached(tenants.beta, long_prefix(), "Which rule is last?")
+    assert cached(tenants.beta, alphas, "Which rule is last?") == fresh < 32
+    assert cached(tenants.beta, alphas, "Which rule is second?") >= 256  # beta's own copy, cached for beta
 
 
 # ---- repeated bad keys --------------------------------------------------------------------------
@@ -191,6 +212,8 @@ def test_keys_and_prompts_never_reach_the_logs(tenants, every_log_record):
                       json={"model": MODEL, "prompt": marker, "max_tokens": 2, "stream": True}, timeout=30) as r:
         assert r.status_code == 200 and list(r.iter_lines())
     assert tenants.get(f"/v1/models?api_key={bad_key}&q={marker}", tenants.beta).status_code == 200
+    for path in (f"/v1/chat/completions/{tenants.alpha}", f"/v1/{tenants.admin}/models", f"/{ENV_ADMIN_KEY}"):
+        assert tenants.get(path).status_code in (401, 404, 405)  # a key pasted into the path
     httpx.post(live.url + "/admin/cache/flush", json={"tenant": marker}, timeout=30,
                headers={"Authorization": f"Bearer {tenants.admin}"})
     with httpx.Client(base_url=live.url, timeout=30) as browser:
@@ -207,3 +230,4 @@ def test_keys_and_prompts_never_reach_the_logs(tenants, every_log_record):
         leaked = [t for t in texts if secret in t]
         assert not leaked, f"{secret[:12]}... in the logs: {leaked[:2]}"
     assert any("/v1/models?[query removed]" in t for t in texts)
+    assert any("/v1/chat/completions/[redacted]" in t for t in texts)

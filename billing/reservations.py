@@ -1,0 +1,275 @@
+"""Budget and tpm reservations: admission reserves a request's worst case before the model runs, in
+one transaction of conditional updates, so concurrent requests on any number of gateways sharing the
+database can never spend past a budget or a tpm limit.
+
+- `reserve()` adds the worst-case cost to `spend_counters.reserved_usd` of every budget that applies
+  (the key's, the tenant's) and the worst-case tokens to the key's `rate_windows` row of this minute,
+  each `UPDATE ... WHERE spent + reserved + cost <= budget`: the database checks and adds in one
+  statement (a row lock on PostgreSQL, the write lock on SQLite), so no read-then-write race. It
+  writes a `reservations` row naming the request and the gateway process that holds it.
+- The ledger settles a reservation in the transaction that writes the request's usage event
+  (`settle_in()`): the exact cost goes to `spent_usd`, the reservation leaves `reserved_usd`. A
+  refusal after admission (a prompt too long for the model, a model that is unavailable) releases it.
+- A gateway process that dies holds its reservations no longer than its heartbeat's age limit: a
+  live gateway's sweeper (`ReservationKeeper`) releases them and records each request as
+  `interrupted` (what is known: who, which model; no tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, delete, select, update
+
+from billing.db import dialect_insert
+from billing.models import GatewayProcess, RateWindow, Reservation, SpendCounter, UsageEvent
+from billing.periods import minute_of, month_of, seconds_to_next_minute
+
+log = logging.getLogger("tollgate.reservations")
+
+HEARTBEAT_S = 5.0
+DEAD_AFTER_S = 30.0  # a gateway whose heartbeat is older than this holds no reservation
+
+
+def process_id() -> str:
+    """This gateway process's id in the database: host, pid and a random part (pids are reused)."""
+    return f"{socket.gethostname()[:40]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class Worst:
+    """A request's worst case: what it may cost and how many tokens it may use."""
+
+    cost_usd: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The limits that apply to one request (None: no such limit)."""
+
+    tenant_id: int
+    api_key_id: int
+    key_budget_usd: float | None
+    tenant_budget_usd: float | None
+    rpm: int | None
+    tpm: int | None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.key_budget_usd, self.tenant_budget_usd, self.rpm, self.tpm))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request could not reserve: `kind` is "budget" (key or tenant), "rpm" or "tpm"."""
+
+    kind: str
+    scope: str  # key | tenant
+    limit: float
+    used: float  # spent (budgets) or counted this minute (rpm, tpm)
+    reserved: float  # held by requests in flight (budgets)
+    asked: float
+    retry_after_s: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    requests_used: int  # this minute, this one included (0 without an rpm / tpm limit)
+    tokens_used: int  # this minute, reservations included
+    reset_s: int
+
+
+class _Refused(Exception):
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+
+
+def reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, *, model: str,
+            endpoint: str, now: float | None = None) -> Admitted | Refusal:
+    """Reserve `worst` against every limit in `budgets`, all or nothing (a refusal rolls back the rest)."""
+    try:
+        return _reserve(db, request_id, owner, budgets, worst, model, endpoint, time.time() if now is None else now)
+    except _Refused as e:
+        return e.refusal
+
+
+def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, model: str, endpoint: str,
+             now: float) -> Admitted:
+    period, minute = month_of(now), minute_of(now)
+    scopes = [(s, i, b) for s, i, b in (("tenant", budgets.tenant_id, budgets.tenant_budget_usd),
+                                        ("key", budgets.api_key_id, budgets.key_budget_usd)) if b is not None]
+    with db.begin() as conn:
+        if scopes:
+            ensure = dialect_insert(db, SpendCounter).on_conflict_do_nothing(
+                index_elements=["scope", "scope_id", "period"])
+            conn.execute(ensure, [{"scope": s, "scope_id": i, "period": period, "spent_usd": 0.0, "reserved_usd": 0.0}
+                                  for s, i, _ in scopes])
+        for scope, scope_id, budget in scopes:  # tenant before key, in every process: no lock-order deadlock
+            row = SpendCounter.__table__.c
+            took = conn.execute(
+                update(SpendCounter)
+                .where(row.scope == scope, row.scope_id == scope_id, row.period == period,
+                       row.spent_usd + row.reserved_usd + worst.cost_usd <= budget)
+                .values(reserved_usd=row.reserved_usd + worst.cost_usd))
+            if took.rowcount != 1:
+                spent, reserved = conn.execute(select(row.spent_usd, row.reserved_usd).where(
+                    row.scope == scope, row.scope_id == scope_id, row.period == period)).one()
+                raise _Refused(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0))
+        admitted = Admitted(0, 0, seconds_to_next_minute(now))
+        if budgets.rpm is not None or budgets.tpm is not None:
+            result = _take_rate(conn, db, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
+            if isinstance(result, Refusal):
+                raise _Refused(result)
+            admitted = result
+        conn.execute(dialect_insert(db, Reservation).values(
+            request_id=request_id, owner=owner, tenant_id=budgets.tenant_id, api_key_id=budgets.api_key_id,
+            period=period, tenant_usd=worst.cost_usd if budgets.tenant_budget_usd is not None else None,
+            key_usd=worst.cost_usd if budgets.key_budget_usd is not None else None,
+            minute=minute if budgets.tpm is not None else None,
+            tokens=worst.tokens if budgets.tpm is not None else None,
+            model=model, endpoint=endpoint, created_at=datetime.fromtimestamp(now, timezone.utc)))
+    return admitted
+
+
+def _take_rate(conn: Connection, db: Engine, b: Budgets, tokens: int, minute: int, now: float) -> Admitted | Refusal:
+    retry_after = seconds_to_next_minute(now)
+    if b.rpm == 0:
+        return Refusal("rpm", "key", 0, 0, 0, 1, retry_after)
+    if b.tpm is not None and tokens > b.tpm:
+        return Refusal("tpm", "key", b.tpm, 0, 0, tokens, retry_after)
+    w = RateWindow.__table__.c
+    conditions = []
+    if b.rpm is not None:
+        conditions.append(w.requests < b.rpm)
+    if b.tpm is not None:
+        conditions.append(w.tokens + tokens <= b.tpm)
+    stmt = dialect_insert(db, RateWindow).values(api_key_id=b.api_key_id, minute=minute, requests=1, tokens=tokens)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["api_key_id", "minute"],
+        set_={"requests": w.requests + 1, "tokens": w.tokens + tokens},
+        where=and_(*conditions),
+    ).returning(w.requests, w.tokens)
+    got = conn.execute(stmt).first()
+    if got is not None:
+        return Admitted(got.requests, got.tokens, retry_after)
+    used = conn.execute(select(w.requests, w.tokens).where(w.api_key_id == b.api_key_id, w.minute == minute)).one()
+    if b.rpm is not None and used.requests >= b.rpm:
+        return Refusal("rpm", "key", b.rpm, used.requests, 0, 1, retry_after)
+    return Refusal("tpm", "key", b.tpm or 0, used.tokens, 0, tokens, retry_after)
+
+
+def release(db: Engine, request_ids: list[str]) -> int:
+    """Give back reservations whose requests were refused after admission (no usage event follows)."""
+    with db.begin() as conn:
+        return _release_rows(conn, _take_rows(conn, request_ids))
+
+
+def settle_in(conn: Connection, request_ids: list[str]) -> None:
+    """Inside the ledger's transaction that writes these requests' events: their reservations go."""
+    _release_rows(conn, _take_rows(conn, request_ids))
+
+
+def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
+    if not request_ids:
+        return []
+    r = Reservation.__table__.c
+    return list(conn.execute(delete(Reservation).where(r.request_id.in_(request_ids)).returning(
+        r.request_id, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.minute, r.tokens,
+        r.model, r.endpoint, r.created_at)))
+
+
+def _release_rows(conn: Connection, rows: list[Any]) -> int:
+    spend: dict[tuple[str, int, str], float] = defaultdict(float)
+    tokens: dict[tuple[int, int], int] = defaultdict(int)
+    for row in rows:
+        if row.tenant_usd is not None:
+            spend[("tenant", row.tenant_id, row.period)] += row.tenant_usd
+        if row.key_usd is not None:
+            spend[("key", row.api_key_id, row.period)] += row.key_usd
+        if row.tokens is not None:
+            tokens[(row.api_key_id, row.minute)] += row.tokens
+    c = SpendCounter.__table__.c
+    for (scope, scope_id, period), usd in sorted(spend.items()):
+        conn.execute(update(SpendCounter).where(c.scope == scope, c.scope_id == scope_id, c.period == period)
+                     .values(reserved_usd=c.reserved_usd - usd))
+    w = RateWindow.__table__.c
+    for (key_id, minute), n in sorted(tokens.items()):
+        conn.execute(update(RateWindow).where(w.api_key_id == key_id, w.minute == minute)
+                     .values(tokens=w.tokens - n))
+    return len(rows)
+
+
+def sweep_orphans(db: Engine, now: float | None = None) -> int:
+    """Release the reservations of gateway processes that stopped beating and record each of their
+    requests as `interrupted` (an event that is already there is left as it is). Returns how many."""
+    now = time.time() if now is None else now
+    cutoff = datetime.fromtimestamp(now - DEAD_AFTER_S, timezone.utc)
+    r, g = Reservation.__table__.c, GatewayProcess.__table__.c
+    with db.begin() as conn:
+        live = select(g.id).where(g.heartbeat_at >= cutoff)
+        orphaned = [row.request_id for row in conn.execute(
+            select(r.request_id).where(r.owner.not_in(live), r.created_at < cutoff))]
+        rows = _take_rows(conn, orphaned)
+        if not rows:
+            return 0
+        _release_rows(conn, rows)
+        events = [{"request_id": row.request_id, "created_at": row.created_at, "tenant_id": row.tenant_id,
+                   "api_key_id": row.api_key_id, "tags": [], "model": row.model, "endpoint": row.endpoint,
+                   "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                   "cache_hit": False, "latency_s": 0.0, "cost_usd": 0.0,
+                   "error": "the gateway serving it stopped before it finished"} for row in rows]
+        conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)
+        conn.execute(delete(GatewayProcess).where(g.heartbeat_at < cutoff - timedelta(days=1)))
+    log.warning("released %d reservations of gateways that stopped; their requests are recorded as interrupted",
+                len(rows))
+    return len(rows)
+
+
+def heartbeat(db: Engine, owner: str, now: float | None = None) -> None:
+    at = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    stmt = dialect_insert(db, GatewayProcess).values(id=owner, heartbeat_at=at)
+    with db.begin() as conn:
+        conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={"heartbeat_at": at}))
+
+
+class ReservationKeeper:
+    """This gateway's heartbeat, and the sweep of dead gateways' reservations, every HEARTBEAT_S."""
+
+    def __init__(self, db: Engine, owner: str, every_s: float = HEARTBEAT_S,
+                 also: Callable[[], None] | None = None) -> None:
+        """`also`: more work for each beat (the limiter's releases that failed while the database was down)."""
+        self.db, self.owner, self.every_s, self.also = db, owner, every_s, also
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tollgate-reservations", daemon=True)
+
+    def start(self) -> "ReservationKeeper":
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        try:
+            heartbeat(self.db, self.owner)
+            sweep_orphans(self.db)
+            if self.also is not None:
+                self.also()
+        except Exception as e:  # the database down: beat again later; nothing else depends on it
+            log.debug("reservation heartbeat failed: %s", type(e).__name__)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._beat()
