@@ -6,6 +6,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
@@ -37,7 +38,7 @@ class CreatedKey:
     tenant: str
 
 
-def create_tenant(engine: Engine, name: str, budget_usd: float | None = None) -> Tenant:
+def create_tenant(engine: Engine, name: str, budget_usd: float | Decimal | None = None) -> Tenant:
     text_field("name", name)
     if not name.strip():
         raise AccountError("name: a tenant name must not be empty")
@@ -62,7 +63,7 @@ def list_tenants(engine: Engine) -> list[Tenant]:
         return list(s.scalars(select(Tenant).order_by(Tenant.id)))
 
 
-def set_tenant_budget(engine: Engine, name: str, budget_usd: float | None) -> None:
+def set_tenant_budget(engine: Engine, name: str, budget_usd: float | Decimal | None) -> None:
     text_field("name", name)
     usd_amount("budget_usd", budget_usd)
     with Session(engine) as s, s.begin():
@@ -78,7 +79,7 @@ def create_key(
     *,
     rpm: int | None = None,
     tpm: int | None = None,
-    budget_usd: float | None = None,
+    budget_usd: float | Decimal | None = None,
     name: str | None = None,
     project: str | None = None,
 ) -> CreatedKey:
@@ -117,7 +118,7 @@ class KeyInfo:
     project: str | None
     rpm: int | None
     tpm: int | None
-    budget_usd: float | None
+    budget_usd: Decimal | None
     revoked: bool
     created_at: datetime
 

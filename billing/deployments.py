@@ -6,21 +6,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from billing.models import ModelDeployment
+from billing.money import dollars
 
 
 @dataclass(frozen=True)
 class Deployment:
     name: str
     spec: dict[str, Any]
-    input_per_1m: float
-    output_per_1m: float
-    gpu_hour: float
+    input_per_1m: Decimal
+    output_per_1m: Decimal
+    gpu_hour: Decimal
+    cached_input_per_1m: Decimal | None  # None: the input price
     updated_at: datetime | None
 
 
@@ -34,9 +37,11 @@ def record_deployments(db: Engine, specs: list[dict[str, Any]]) -> None:
                 s.add(row)
             pricing = spec.get("pricing") or {}
             row.spec = spec
-            row.input_per_1m = float(pricing.get("input_per_1m", 0.0))
-            row.output_per_1m = float(pricing.get("output_per_1m", 0.0))
-            row.gpu_hour = float(pricing.get("gpu_hour", 0.0))
+            row.input_per_1m = dollars(pricing.get("input_per_1m", 0))
+            row.output_per_1m = dollars(pricing.get("output_per_1m", 0))
+            row.gpu_hour = dollars(pricing.get("gpu_hour", 0))
+            cached = pricing.get("cached_input_per_1m")
+            row.cached_input_per_1m = None if cached is None else dollars(cached)
 
 
 def deployment(db: Engine, name: str) -> Deployment | None:
@@ -58,4 +63,4 @@ def deployed_specs(db: Engine) -> dict[str, dict[str, Any]]:
 
 def _plain(row: ModelDeployment) -> Deployment:
     return Deployment(row.name, dict(row.spec or {}), row.input_per_1m, row.output_per_1m, row.gpu_hour,
-                      row.updated_at)
+                      row.cached_input_per_1m, row.updated_at)

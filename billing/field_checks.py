@@ -7,9 +7,13 @@ check: every value travels as a bound parameter and is compared with `=`, never 
 from __future__ import annotations
 
 import math
+from decimal import Decimal
+
+from billing.money import dollars
 
 MAX_NAME_CHARS = 200  # the String(200) columns: tenant, key name, project, end user, model
 MAX_SQL_INT = 2**31 - 1
+MAX_USD = 1_000_000_000  # money columns hold nano-dollars in a BIGINT (to $9.2 billion); sums need headroom
 
 
 class FieldError(ValueError):
@@ -43,10 +47,12 @@ def count_limit(field: str, value: int | None) -> int | None:
     return value
 
 
-def usd_amount(field: str, value: float | None) -> float | None:
-    """A budget in USD: None (unlimited) or a finite number >= 0."""
+def usd_amount(field: str, value: float | Decimal | None) -> Decimal | None:
+    """A budget in USD: None (unlimited) or a finite amount from 0 to MAX_USD, exact to the nano-dollar."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise FieldError(f"{field}: must be a finite amount >= 0, got {value!r}")
-    return float(value)
+    if (isinstance(value, bool) or not isinstance(value, (int, float, Decimal))
+            or (isinstance(value, float) and not math.isfinite(value))
+            or (isinstance(value, Decimal) and not value.is_finite()) or not 0 <= value <= MAX_USD):
+        raise FieldError(f"{field}: must be a finite amount from 0 to {MAX_USD:,}, got {value!r}")
+    return dollars(value)

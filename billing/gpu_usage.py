@@ -1,17 +1,29 @@
 """GPU (replica) time per model and day from ReplicaInterval rows: alive hours, busy hours and the
-idle rate (the share of alive time in which the engine had no work) that `platform usage --gpu` shows."""
+idle rate (the share of alive time in which the engine had no work) that `platform usage --gpu` shows;
+per tenant from their GpuShare rows (`platform usage --gpu --by tenant`)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
 import pandas as pd
-from sqlalchemy import Engine, String, cast, func, select
+from sqlalchemy import Engine, Select, String, cast, func, select
 
 from billing.field_checks import text_field
-from billing.models import ModelDeployment, ReplicaInterval
+from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant
 
 COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
+
+
+def _filtered(q: Select, model: str | None, since: datetime | None, until: datetime | None) -> Select:
+    """Only `model`'s intervals, and those starting in [since, until)."""
+    if model is not None:
+        q = q.where(ReplicaInterval.model == text_field("model", model))
+    if since is not None:
+        q = q.where(ReplicaInterval.start >= since)
+    if until is not None:
+        q = q.where(ReplicaInterval.start < until)
+    return q
 
 
 def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime | None = None,
@@ -31,14 +43,8 @@ def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime
         .group_by(day, ReplicaInterval.model)
         .order_by(day, ReplicaInterval.model)
     )
-    if model is not None:
-        q = q.where(ReplicaInterval.model == text_field("model", model))
-    if since is not None:
-        q = q.where(start >= since)
-    if until is not None:
-        q = q.where(start < until)
     with engine.connect() as conn:
-        rows = conn.execute(q).mappings().all()
+        rows = conn.execute(_filtered(q, model, since, until)).mappings().all()
     frame = pd.DataFrame(rows, columns=["day", "model", "replicas", "alive_s", "busy_s", "gpu_hour"])
     out = pd.DataFrame({"day": frame["day"], "model": frame["model"],
                         "replicas": frame["replicas"].astype("int64")})
@@ -48,3 +54,37 @@ def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime
     out["idle_rate"] = (out["idle_h"] / out["alive_h"]).where(out["alive_h"] > 0, 0.0)
     out["gpu_cost_usd"] = out["alive_h"] * frame["gpu_hour"].fillna(0.0).astype("float64")
     return out[COLUMNS]
+
+
+TENANT_COLUMNS = ["day", "model", "tenant", "busy_h", "idle_h", "gpu_h", "share", "gpu_cost_usd"]
+NO_TENANT = "(idle, no tenant)"
+
+
+def gpu_usage_by_tenant(engine: Engine, *, model: str | None = None, since: datetime | None = None,
+                        until: datetime | None = None) -> pd.DataFrame:
+    """One row per (day, model, tenant): the tenant's busy and idle replica hours (billing/gpu_shares.py),
+    its share of the model's replica time that day and its cost at the model's gpu_hour price."""
+    start = ReplicaInterval.start
+    day = func.substr(cast(start, String), 1, 10).label("day")
+    q = (
+        select(day, ReplicaInterval.model.label("model"), Tenant.name.label("tenant"),
+               func.sum(GpuShare.busy_s).label("busy_s"), func.sum(GpuShare.idle_s).label("idle_s"),
+               func.max(ModelDeployment.gpu_hour).label("gpu_hour"))
+        .select_from(GpuShare)
+        .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
+        .outerjoin(Tenant, Tenant.uid == GpuShare.tenant_uid)
+        .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
+        .group_by(day, ReplicaInterval.model, Tenant.name)
+        .order_by(day, ReplicaInterval.model, Tenant.name)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(_filtered(q, model, since, until)).mappings().all()
+    out = pd.DataFrame([{
+        "day": r["day"], "model": r["model"], "tenant": r["tenant"] or NO_TENANT,
+        "busy_h": float(r["busy_s"] / 3600), "idle_h": float(r["idle_s"] / 3600),
+        "gpu_h": float((r["busy_s"] + r["idle_s"]) / 3600),
+        "gpu_cost_usd": float((r["busy_s"] + r["idle_s"]) * (r["gpu_hour"] or 0) / 3600)} for r in rows],
+        columns=[c for c in TENANT_COLUMNS if c != "share"])
+    totals = out.groupby(["day", "model"])["gpu_h"].transform("sum")
+    out["share"] = (out["gpu_h"] / totals).where(totals > 0, 0.0)
+    return out[TENANT_COLUMNS]

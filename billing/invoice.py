@@ -1,27 +1,34 @@
-"""Monthly invoices: line items per model and token kind, in integer cents.
+"""Monthly invoices: line items per model and kind, in integer cents.
 
-Rounding rule (ROUNDING_RULE): each line's exact Decimal amount (tokens × price per 1M / 1,000,000) is
-rounded half-up to whole cents; the total is the sum of the rounded lines, so the lines always add up
-to the total. Prices are the models' current list prices (ModelDeployment); requests answered from the
-semantic cache are their own line at the cache price (0 by default), with what they saved at list price.
+Kinds: input tokens (computed), cached_input (prompt tokens read from the KV prefix cache, at the model's
+`cached_input_per_1m` price, else its input price), output tokens, cache_hit (requests answered from the
+semantic cache, at the cache price, 0 by default, with what they saved at list price) and gpu_time (the
+tenant's share of the model's replica time, busy and idle, billing/gpu_shares.py, where the model prices
+`gpu_hour`). Prices are the models' current list prices (ModelDeployment).
+
+Rounding rule (ROUNDING_RULE): the exact Decimal total of all lines is rounded half-up to cents; each
+line gets its exact amount's whole cents, and the cents left go to the lines with the largest remainders.
+The lines add up to the total, and the total is within half a cent of the exact amount, so it agrees to
+the cent with the spend counters (which add each request's cost exact to the nano-dollar).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 
 from sqlalchemy import Engine, func, select
 
 from billing.field_checks import text_field
-from billing.models import ModelDeployment, Tenant, UsageEvent
+from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
 from billing.report_query import Db, connect_engine, within
 
-ROUNDING_RULE = "each line's exact amount is rounded half-up to cents; the total is the sum of the rounded lines"
+ROUNDING_RULE = ("the exact total is rounded half-up to cents; each line has its exact amount's whole cents, "
+                 "and the cents left go to the lines with the largest remainders")
 CURRENCY = "USD"
-KINDS = ("input", "output", "cache_hit")
+KINDS = ("input", "cached_input", "output", "cache_hit", "gpu_time")
 _MONTH = re.compile(r"(\d{4})-(0[1-9]|1[0-2])")
 _MILLION = Decimal(1_000_000)
 
@@ -29,11 +36,16 @@ _MILLION = Decimal(1_000_000)
 @dataclass(frozen=True)
 class InvoiceLine:
     model: str
-    kind: str  # input | output | cache_hit
-    tokens: int
-    unit_price_per_1m: Decimal
+    kind: str  # one of KINDS
+    tokens: int  # 0 on gpu_time lines
+    unit_price_per_1m: Decimal  # per 1M tokens; per GPU-hour on gpu_time lines
     amount_cents: int
     savings_cents: int = 0  # cache_hit lines: list-price value of the tokens minus what was charged
+    gpu_seconds: Decimal = Decimal(0)  # gpu_time lines
+
+    @property
+    def unit(self) -> str:
+        return "GPU-hour" if self.kind == "gpu_time" else "1M tokens"
 
 
 @dataclass(frozen=True)
@@ -72,51 +84,95 @@ def month_bounds(month: str) -> tuple[date, date]:
 def build_invoice(db: Db, tenant: str, month: str, cache_price_per_1m: Decimal = Decimal(0)) -> Invoice:
     start, end = month_bounds(month)
     with connect_engine(db) as engine:
-        tenant_id = _tenant_id(engine, tenant)
+        tenant_id, tenant_uid = _tenant(engine, tenant)
         usage = _usage(engine, tenant_id, start, end)
-        prices = _prices(engine, sorted({row[0] for row in usage}))
-    lines: list[InvoiceLine] = []
+        gpu = _gpu_seconds(engine, tenant_uid, start, end)
+        prices = _prices(engine, sorted({row[0] for row in usage} | set(gpu)))
+    exact: list[tuple[InvoiceLine, Decimal, Decimal]] = []  # (line, exact amount, exact savings)
     requests = 0
-    for model, hit, n, prompt, completion in sorted(usage, key=lambda r: (r[0], bool(r[1]))):
+    for model, hit, n, prompt, completion, cached in sorted(usage, key=lambda r: (r[0], bool(r[1]))):
         requests += n
-        price_in, price_out = prices.get(model, (Decimal(0), Decimal(0)))
+        price = prices.get(model, _NO_PRICE)
         if hit:
             if prompt + completion:
-                listed = (prompt * price_in + completion * price_out) / _MILLION
+                listed = (prompt * price.input + completion * price.output) / _MILLION
                 charged = (prompt + completion) * cache_price_per_1m / _MILLION
-                lines.append(InvoiceLine(model, "cache_hit", prompt + completion, cache_price_per_1m,
-                                         to_cents(charged), to_cents(listed - charged)))
+                exact.append((InvoiceLine(model, "cache_hit", prompt + completion, cache_price_per_1m, 0),
+                              charged, listed - charged))
             continue
-        for kind, tokens, price in (("input", prompt, price_in), ("output", completion, price_out)):
+        for kind, tokens, per_1m in (("input", prompt - cached, price.input), ("cached_input", cached, price.cached),
+                                     ("output", completion, price.output)):
             if tokens:
-                lines.append(InvoiceLine(model, kind, tokens, price, to_cents(tokens * price / _MILLION)))
-    return Invoice(f"{month}-{tenant_id:06d}", tenant, month, start, end, requests, tuple(lines))
+                exact.append((InvoiceLine(model, kind, tokens, per_1m, 0), tokens * per_1m / _MILLION, Decimal(0)))
+    for model, seconds in sorted(gpu.items()):
+        per_hour = prices.get(model, _NO_PRICE).gpu_hour
+        if seconds and per_hour:
+            exact.append((InvoiceLine(model, "gpu_time", 0, per_hour, 0, gpu_seconds=seconds),
+                          seconds * per_hour / 3600, Decimal(0)))
+    amounts = allocate_cents([a for _, a, _ in exact])
+    savings = allocate_cents([s for _, _, s in exact])
+    lines = tuple(replace(line, amount_cents=a, savings_cents=s) for (line, _, _), a, s in zip(exact, amounts, savings))
+    return Invoice(f"{month}-{tenant_id:06d}", tenant, month, start, end, requests, lines)
 
 
-def _tenant_id(engine: Engine, name: str) -> int:
+def allocate_cents(amounts: list[Decimal]) -> list[int]:
+    """Whole cents per amount (each >= 0) adding up to the exact sum rounded half-up: each amount's whole cents,
+    and the cents left (fewer than there are amounts) to the largest remainders, ties to the earlier one."""
+    total = to_cents(sum(amounts, Decimal(0)))
+    cents = [amount * 100 for amount in amounts]
+    out = [int(c.to_integral_value(rounding=ROUND_FLOOR)) for c in cents]
+    by_remainder = sorted(range(len(cents)), key=lambda i: (-(cents[i] - out[i]), i))
+    for i in by_remainder[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _tenant(engine: Engine, name: str) -> tuple[int, str]:
     with engine.connect() as conn:
-        tenant_id = conn.scalar(select(Tenant.id).where(Tenant.name == text_field("tenant", name)))
-    if tenant_id is None:
+        row = conn.execute(select(Tenant.id, Tenant.uid).where(Tenant.name == text_field("tenant", name))).first()
+    if row is None:
         raise ValueError(f"tenant: unknown tenant {name!r}")
-    return int(tenant_id)
+    return int(row.id), row.uid
 
 
-def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[tuple[str, bool, int, int, int]]:
+def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[tuple[str, bool, int, int, int, int]]:
+    """(model, cache hit, requests, prompt, completion, cached prompt tokens) per model and cache hit."""
     ev = UsageEvent
     q = (select(ev.model, ev.cache_hit, func.count(), func.coalesce(func.sum(ev.prompt_tokens), 0),
-                func.coalesce(func.sum(ev.completion_tokens), 0))
+                func.coalesce(func.sum(ev.completion_tokens), 0), func.coalesce(func.sum(ev.cached_tokens), 0))
          .where(ev.tenant_id == tenant_id)
          .group_by(ev.model, ev.cache_hit))
     q = within(q, ev.created_at, start, end)
     with engine.connect() as conn:
-        return [(m, bool(h), int(n), int(p), int(c)) for m, h, n, p, c in conn.execute(q).all()]
+        return [(m, bool(h), int(n), int(p), int(c), min(int(k), int(p))) for m, h, n, p, c, k in conn.execute(q)]
 
 
-def _prices(engine: Engine, models: list[str]) -> dict[str, tuple[Decimal, Decimal]]:
-    """Prices are stored as floats; their shortest decimal repr (0.05 → Decimal('0.05')) is the price."""
+def _gpu_seconds(engine: Engine, tenant_uid: str, start: date, end: date) -> dict[str, Decimal]:
+    """The tenant's replica seconds (busy and idle) per model, by the interval's start."""
+    q = (select(ReplicaInterval.model, func.sum(GpuShare.busy_s + GpuShare.idle_s))
+         .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
+         .where(GpuShare.tenant_uid == tenant_uid)
+         .group_by(ReplicaInterval.model))
+    q = within(q, ReplicaInterval.start, start, end)
+    with engine.connect() as conn:
+        return {model: seconds for model, seconds in conn.execute(q) if seconds}
+
+
+@dataclass(frozen=True)
+class _Price:
+    input: Decimal
+    cached: Decimal
+    output: Decimal
+    gpu_hour: Decimal
+
+
+_NO_PRICE = _Price(Decimal(0), Decimal(0), Decimal(0), Decimal(0))
+
+
+def _prices(engine: Engine, models: list[str]) -> dict[str, _Price]:
     if not models:
         return {}
-    q = select(ModelDeployment.name, ModelDeployment.input_per_1m, ModelDeployment.output_per_1m).where(
-        ModelDeployment.name.in_(models))
+    d = ModelDeployment
+    q = select(d.name, d.input_per_1m, d.cached_input_per_1m, d.output_per_1m, d.gpu_hour).where(d.name.in_(models))
     with engine.connect() as conn:
-        return {name: (Decimal(repr(float(i or 0))), Decimal(repr(float(o or 0)))) for name, i, o in conn.execute(q)}
+        return {name: _Price(i, i if c is None else c, o, g) for name, i, c, o, g in conn.execute(q)}

@@ -8,10 +8,11 @@ import io
 import json
 from typing import Any
 
-from billing.invoice import Invoice
+from billing.invoice import Invoice, InvoiceLine
 
 FORMATS = ("csv", "json", "html")
-_KIND_LABEL = {"input": "input tokens", "output": "output tokens", "cache_hit": "cache hits"}
+_KIND_LABEL = {"input": "input tokens", "cached_input": "cached input tokens", "output": "output tokens",
+               "cache_hit": "cache hits", "gpu_time": "GPU time"}
 
 
 def dollars(cents: int) -> str:
@@ -34,8 +35,8 @@ def as_dict(invoice: Invoice) -> dict[str, Any]:
         "number": invoice.number, "tenant": invoice.tenant, "month": invoice.month,
         "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
         "currency": invoice.currency, "rounding": invoice.rounding, "requests": invoice.requests,
-        "lines": [{"model": l.model, "kind": l.kind, "tokens": l.tokens,
-                   "unit_price_per_1m": str(l.unit_price_per_1m), "amount_cents": l.amount_cents,
+        "lines": [{"model": l.model, "kind": l.kind, "tokens": l.tokens, "gpu_seconds": str(l.gpu_seconds),
+                   "unit": l.unit, "unit_price_per_1m": str(l.unit_price_per_1m), "amount_cents": l.amount_cents,
                    "amount": dollars(l.amount_cents), "savings_cents": l.savings_cents,
                    "savings": dollars(l.savings_cents)} for l in invoice.lines],
         "total_cents": invoice.total_cents, "total": dollars(invoice.total_cents),
@@ -50,13 +51,13 @@ def to_json(invoice: Invoice) -> str:
 def to_csv(invoice: Invoice) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    w.writerow(["invoice", "tenant", "month", "model", "kind", "tokens", "unit_price_per_1m_usd",
+    w.writerow(["invoice", "tenant", "month", "model", "kind", "tokens", "gpu_seconds", "unit", "unit_price_usd",
                 "amount_usd", "savings_usd"])
     head = [invoice.number, invoice.tenant, invoice.month]
     for l in invoice.lines:
-        w.writerow(head + [l.model, l.kind, l.tokens, str(l.unit_price_per_1m), dollars(l.amount_cents),
-                           dollars(l.savings_cents)])
-    w.writerow(head + ["", "total", "", "", dollars(invoice.total_cents), dollars(invoice.savings_cents)])
+        w.writerow(head + [l.model, l.kind, l.tokens, str(l.gpu_seconds), l.unit, str(l.unit_price_per_1m),
+                           dollars(l.amount_cents), dollars(l.savings_cents)])
+    w.writerow(head + ["", "total", "", "", "", "", dollars(invoice.total_cents), dollars(invoice.savings_cents)])
     return out.getvalue()
 
 
@@ -65,11 +66,15 @@ _STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{bor
           "tfoot td{font-weight:bold;border-top:2px solid #222}.note{color:#666;font-size:.9em}")
 
 
+def _quantity(line: InvoiceLine) -> str:
+    return f"{line.gpu_seconds:,} GPU-seconds" if line.kind == "gpu_time" else f"{line.tokens:,} tokens"
+
+
 def to_html(invoice: Invoice) -> str:
     e = html.escape
     rows = "".join(
-        f"<tr><td>{e(l.model)}</td><td>{_KIND_LABEL[l.kind]}</td><td class=n>{l.tokens:,}</td>"
-        f"<td class=n>{e(str(l.unit_price_per_1m))}</td><td class=n>{dollars(l.amount_cents)}</td>"
+        f"<tr><td>{e(l.model)}</td><td>{_KIND_LABEL[l.kind]}</td><td class=n>{_quantity(l)}</td>"
+        f"<td class=n>{e(str(l.unit_price_per_1m))} per {l.unit}</td><td class=n>{dollars(l.amount_cents)}</td>"
         f"<td class=n>{dollars(l.savings_cents) if l.savings_cents else ''}</td></tr>\n"
         for l in invoice.lines)
     return (
@@ -78,8 +83,8 @@ def to_html(invoice: Invoice) -> str:
         f"<h1>Invoice {e(invoice.number)}</h1>\n"
         f"<p>Tenant: <strong>{e(invoice.tenant)}</strong><br>Period: {invoice.period_start.isoformat()} to "
         f"{invoice.period_end.isoformat()} (exclusive)<br>Requests: {invoice.requests:,}</p>\n"
-        "<table><thead><tr><th>Model</th><th>Item</th><th class=n>Tokens</th>"
-        f"<th class=n>{e(invoice.currency)} per 1M</th><th class=n>Amount</th><th class=n>Cache savings</th>"
+        "<table><thead><tr><th>Model</th><th>Item</th><th class=n>Quantity</th>"
+        f"<th class=n>{e(invoice.currency)}</th><th class=n>Amount</th><th class=n>Cache savings</th>"
         f"</tr></thead>\n<tbody>\n{rows}</tbody>\n"
         f"<tfoot><tr><td colspan=4>Total ({e(invoice.currency)})</td><td class=n>{dollars(invoice.total_cents)}</td>"
         f"<td class=n>{dollars(invoice.savings_cents)}</td></tr></tfoot></table>\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -11,7 +13,7 @@ from billing.models import ApiKey
 
 
 def set_key_limits(engine: Engine, key_id: int, *, rpm: int | None, tpm: int | None,
-                   budget_usd: float | None) -> None:
+                   budget_usd: float | Decimal | None) -> None:
     """Sets all three limits; None means unlimited."""
     count_limit("rpm", rpm)
     count_limit("tpm", tpm)

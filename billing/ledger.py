@@ -18,15 +18,18 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete
 from sqlalchemy.exc import DataError, IntegrityError
 
+from billing.admission_journal import AdmissionJournal, events_of, orphaned_journals
 from billing.db import dialect_insert
 from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
+from billing.money import ZERO, dollars
 from billing.periods import minute_of, month_of
 from billing.reservations import settle_in
 
@@ -63,9 +66,12 @@ class Ledger:
         self._thread: threading.Thread | None = None
         self._spill = SpillDir(spill_dir) if spill_dir is not None else None
         self._spill_lock = threading.Lock()
+        # every admitted request on disk before its model runs (billing/admission_journal.py)
+        self._journal = AdmissionJournal(spill_dir) if spill_dir is not None else None
+        self._journal_lock = threading.Lock()
         self._orphans_pending = self._spill is not None
         # what is recorded but not yet in the counters, so that limits see it without lag
-        self._pending_spend: dict[tuple[str, int], float] = defaultdict(float)
+        self._pending_spend: dict[tuple[str, int], Decimal] = defaultdict(Decimal)
         self._pending_tokens: dict[int, int] = defaultdict(int)
         self.inserted_total = 0
         self.failed_batches = 0
@@ -80,15 +86,43 @@ class Ledger:
             self._thread.start()
         return self
 
+    def begin(self, request_id: str, *, tenant_id: int | None, api_key_id: int | None, model: str, endpoint: str,
+              end_user: str | None = None, tags: list[str] | None = None) -> None:
+        """A request was admitted and its model is about to run: journaled (with a spill dir), so that it
+        leaves an event, `interrupted` at worst, whatever happens to this process. Raises OSError when the
+        journal cannot be written: a request that could leave no record is not run."""
+        if self._journal is None:
+            return
+        with self._journal_lock:
+            self._journal.begin(request_id, {"tenant_id": tenant_id, "api_key_id": api_key_id, "model": model,
+                                             "endpoint": endpoint, "end_user": end_user, "tags": tags or [],
+                                             "created_at": utcnow()})
+
+    def refused(self, request_id: str) -> None:
+        """A begun request was refused before it ran: it leaves no event."""
+        if self._journal is None:
+            return
+        try:
+            with self._journal_lock:
+                self._journal.refused(request_id)
+        except OSError:
+            log.exception("ledger: could not journal the refusal of %s", request_id)
+
     def record(self, event: UsageEvent) -> None:
         row = {c: getattr(event, c) for c in _EVENT_COLUMNS}
         if row["created_at"] is None:
             row["created_at"] = utcnow()
         for column, default in (("tags", []), ("prompt_tokens", 0), ("completion_tokens", 0), ("cached_tokens", 0),
-                                ("cache_hit", False), ("latency_s", 0.0), ("cost_usd", 0.0)):
+                                ("cache_hit", False), ("latency_s", 0.0), ("cost_usd", ZERO)):
             if row[column] is None:
                 row[column] = default
         overflow: list[Queued] = []
+        if self._journal is not None:
+            try:
+                with self._journal_lock:
+                    self._journal.end(row)
+            except OSError:
+                log.exception("ledger: could not journal usage event %s", row["request_id"])
         with self._cond:
             if self._stopping:
                 raise RuntimeError("ledger is closed")
@@ -133,8 +167,8 @@ class Ledger:
             log.error("ledger writer did not finish within %ss; %d events unwritten", timeout, len(self._unwritten))
         self._thread = None
 
-    def pending_spend(self, scope: str, scope_id: int) -> float:
-        return self._pending_spend.get((scope, scope_id), 0.0)
+    def pending_spend(self, scope: str, scope_id: int) -> Decimal:
+        return self._pending_spend.get((scope, scope_id), ZERO)
 
     def pending_tokens(self, api_key_id: int) -> int:
         return self._pending_tokens.get(api_key_id, 0)
@@ -154,7 +188,7 @@ class Ledger:
         return self._down
 
     def _add_pending(self, row: Row, sign: int) -> None:
-        cost = sign * float(row["cost_usd"])
+        cost = sign * dollars(row["cost_usd"])
         tokens = sign * (int(row["prompt_tokens"]) + int(row["completion_tokens"]))
         if row["api_key_id"] is not None:
             self._pending_spend[("key", row["api_key_id"])] += cost
@@ -169,6 +203,13 @@ class Ledger:
                     self._unwritten.discard(seq)
                     self._add_pending(row, -1)
             self._cond.notify_all()
+        self._stored(rows)
+
+    def _stored(self, rows: list[Queued]) -> None:
+        """These events are in the database or a spill segment: the journal no longer needs them."""
+        if self._journal is not None:
+            with self._journal_lock:
+                self._journal.stored([row["request_id"] for _, row in rows])
 
     # ---- the writer thread ------------------------------------------------------------------
 
@@ -217,6 +258,9 @@ class Ledger:
             if self._spill is not None:
                 with self._spill_lock:
                     self._spill.close()
+            if self._journal is not None:
+                with self._journal_lock:
+                    self._journal.close()
             return True
         return False
 
@@ -293,6 +337,7 @@ class Ledger:
                 with self._spill_lock:
                     self._spill.append(rows)
                     self.spilled_total += len(rows)
+                self._stored(rows)
                 return
             except OSError:
                 log.exception("ledger: could not spill %d events to disk; keeping them in memory", len(rows))
@@ -327,7 +372,31 @@ class Ledger:
                                     segment.name)
             finally:
                 orphans.close()  # releases the lock of the dead process being replayed
+            if not self._replay_journals():
+                return False
             self._orphans_pending = False
+        return True
+
+    def _replay_journals(self) -> bool:
+        """Each dead process's journal (after its spill segments): its recorded events, and an `interrupted`
+        event for each request it admitted and never recorded. Writes are idempotent (by request id)."""
+        assert self._spill is not None
+        journals = orphaned_journals(self._spill.path, exclude=self._journal.owner if self._journal else None)
+        try:
+            for lock_path, segments in journals:
+                rows = [(0, row) for row in events_of(segments)]
+                if rows and not self._write_all(rows):
+                    return False
+                for segment in segments:
+                    segment.unlink()
+                lock_path.unlink(missing_ok=True)
+                interrupted = sum(1 for _, row in rows if row["status"] == "interrupted")
+                if rows:
+                    self.replayed_total += len(rows)
+                    log.warning("ledger: replayed the journal of a stopped process: %d events, %d of them "
+                                "interrupted (admitted, never finished)", len(rows), interrupted)
+        finally:
+            journals.close()
         return True
 
     def _write_all(self, rows: list[Queued]) -> bool:
@@ -350,16 +419,16 @@ class Ledger:
             inserted = set(conn.execute(stmt, unique).scalars())
             settle_in(conn, [row["request_id"] for row in unique])
             new_rows = [row for row in unique if row["request_id"] in inserted]
-            spend: dict[tuple[str, int, str], float] = defaultdict(float)
+            spend: dict[tuple[str, int, str], Decimal] = defaultdict(Decimal)
             tokens: dict[tuple[int, int], int] = defaultdict(int)
             for row in new_rows:
                 ts = row["created_at"].timestamp()
                 period = month_of(ts)
                 if row["api_key_id"] is not None:
-                    spend[("key", row["api_key_id"], period)] += float(row["cost_usd"])
+                    spend[("key", row["api_key_id"], period)] += dollars(row["cost_usd"])
                     tokens[(row["api_key_id"], minute_of(ts))] += row["prompt_tokens"] + row["completion_tokens"]
                 if row["tenant_id"] is not None:
-                    spend[("tenant", row["tenant_id"], period)] += float(row["cost_usd"])
+                    spend[("tenant", row["tenant_id"], period)] += dollars(row["cost_usd"])
             if spend:
                 up = dialect_insert(self._engine, SpendCounter)
                 up = up.on_conflict_do_update(

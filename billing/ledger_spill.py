@@ -18,8 +18,11 @@ import socket
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
+
+from billing.money import dollars
 
 SEGMENT_GLOB = "usage-*.jsonl"
 SEQ_FIELD = "_seq"  # the writing process's sequence number, so that it can tell which of its events are stored
@@ -33,21 +36,30 @@ def spill_dir_for(root: Path, db_url: str) -> Path:
 
 
 def encode_row(row: dict[str, Any], seq: int) -> str:
-    out = _jsonable(row)
+    out = jsonable(row)
     out[SEQ_FIELD] = seq
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()}
+def jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """Times as ISO text, money (Decimal) as its exact decimal text."""
+    return {k: (v.isoformat() if isinstance(v, datetime) else str(v) if isinstance(v, Decimal) else v)
+            for k, v in row.items()}
 
 
 def decode_row(line: str) -> tuple[int, dict[str, Any]]:
     row = json.loads(line)
     seq = int(row.pop(SEQ_FIELD, -1))
+    return seq, from_jsonable(row)
+
+
+def from_jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of jsonable() for a usage event's fields."""
     if isinstance(row.get("created_at"), str):
         row["created_at"] = datetime.fromisoformat(row["created_at"])
-    return seq, row
+    if "cost_usd" in row:
+        row["cost_usd"] = dollars(row["cost_usd"])
+    return row
 
 
 def read_segment(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -65,7 +77,7 @@ def append_dead_letter(directory: Path, row: dict[str, Any], error: str) -> Path
     """Sets aside an event the database refused, with its reason; returns the dead-letter file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / DEAD_LETTER_FILE
-    out = _jsonable(row)
+    out = jsonable(row)
     out[ERROR_FIELD] = error
     line = json.dumps(out, separators=(",", ":")) + "\n"  # ASCII: whatever odd text made the row fail is kept escaped
     with path.open("a", encoding="utf-8") as f:

@@ -1,10 +1,12 @@
 """The SQL schema: tenants, API keys, deployments, usage events, replica intervals and the counters
-that limits and budgets read. Alembic (migrations/) owns the tables; this module is their source."""
+that limits and budgets read. Alembic (migrations/) owns the tables; this module is their source.
+Money columns (Money: budgets, prices, costs, spend) hold whole nano-dollars; Python sees Decimal dollars."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import datetime, timezone
+from decimal import Decimal
 
 from sqlalchemy import (
     JSON,
@@ -20,6 +22,9 @@ from sqlalchemy import (
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from billing.fixed_point import Seconds
+from billing.money import Money
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -46,7 +51,7 @@ class Tenant(Base):
     # cache directory reused with another database never serves one's tenant another's entries
     uid: Mapped[str] = mapped_column(String(32), unique=True, default=lambda: uuid.uuid4().hex)
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    budget_usd: Mapped[float | None] = mapped_column(Float)  # monthly, None: unlimited
+    budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
@@ -63,7 +68,7 @@ class ApiKey(Base):
     project: Mapped[str | None] = mapped_column(String(200))  # becomes a tag on every usage event
     rpm: Mapped[int | None] = mapped_column(Integer)
     tpm: Mapped[int | None] = mapped_column(Integer)
-    budget_usd: Mapped[float | None] = mapped_column(Float)  # monthly, None: unlimited
+    budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -77,9 +82,10 @@ class ModelDeployment(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     spec: Mapped[dict] = mapped_column(JSON)
-    input_per_1m: Mapped[float] = mapped_column(Float, default=0.0)
-    output_per_1m: Mapped[float] = mapped_column(Float, default=0.0)
-    gpu_hour: Mapped[float] = mapped_column(Float, default=0.0)
+    input_per_1m: Mapped[Decimal] = mapped_column(Money(), default=0)
+    output_per_1m: Mapped[Decimal] = mapped_column(Money(), default=0)
+    gpu_hour: Mapped[Decimal] = mapped_column(Money(), default=0)
+    cached_input_per_1m: Mapped[Decimal | None] = mapped_column(Money())  # None: the input price
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
@@ -107,7 +113,7 @@ class UsageEvent(Base):
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_s: Mapped[float | None] = mapped_column(Float)
-    cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_usd: Mapped[Decimal] = mapped_column(Money(), default=0)
     error: Mapped[str | None] = mapped_column(Text)
 
 
@@ -119,8 +125,21 @@ class ReplicaInterval(Base):
     replica: Mapped[str] = mapped_column(String(200))
     start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    busy_s: Mapped[float] = mapped_column(Float, default=0.0)
-    idle_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # exact microseconds: busy_s + idle_s is the row's span, and its GpuShare rows add up to each
+    busy_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
+    idle_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
+
+
+class GpuShare(Base):
+    """One tenant's part of a replica interval (billing/gpu_shares.py says how time is split)."""
+
+    __tablename__ = "gpu_shares"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    interval_id: Mapped[int] = mapped_column(ForeignKey("replica_intervals.id", ondelete="CASCADE"), index=True)
+    tenant_uid: Mapped[str | None] = mapped_column(String(32), index=True)  # None: no tenant (see gpu_shares.py)
+    busy_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
+    idle_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
 
 
 class RateWindow(Base):
@@ -142,9 +161,9 @@ class SpendCounter(Base):
     scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant
     scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
-    spent_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    spent_usd: Mapped[Decimal] = mapped_column(Money(), default=0)
     # the worst cases of admitted requests not yet settled (billing/reservations.py)
-    reserved_usd: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    reserved_usd: Mapped[Decimal] = mapped_column(Money(), default=0, server_default="0")
 
 
 class Reservation(Base):
@@ -157,8 +176,8 @@ class Reservation(Base):
     tenant_id: Mapped[int] = mapped_column(Integer)
     api_key_id: Mapped[int] = mapped_column(Integer)
     period: Mapped[str] = mapped_column(String(7))
-    tenant_usd: Mapped[float | None] = mapped_column(Float)  # held against the tenant's budget
-    key_usd: Mapped[float | None] = mapped_column(Float)  # held against the key's budget
+    tenant_usd: Mapped[Decimal | None] = mapped_column(Money())  # held against the tenant's budget
+    key_usd: Mapped[Decimal | None] = mapped_column(Money())  # held against the key's budget
     minute: Mapped[int | None] = mapped_column(BigInteger)  # the rate window its tokens are held in
     tokens: Mapped[int | None] = mapped_column(BigInteger)
     model: Mapped[str] = mapped_column(String(200))

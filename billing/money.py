@@ -1,13 +1,37 @@
-"""Money as people read it: dollars with the precision the amount has, never a sub-cent amount
-shown as "$0.00"."""
+"""Money, exact: Decimal dollars in Python, whole nano-dollars (BIGINT, up to $9.2 billion) in SQL. A
+request's cost is rounded half-even to the nano-dollar once, when it is computed; sums of costs, budgets
+and spend counters are then exact, so counters and invoices agree."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+from typing import Any
 
-def usd(amount: float) -> str:
-    """$5.00, $4.9012, $0.000123; amounts under a millionth in scientific notation ($1.23e-08)."""
-    if amount != 0 and abs(amount) < 1e-6:
-        return f"${amount:.2e}"
-    text = f"{amount:,.6f}".rstrip("0")
-    whole, _, cents = text.partition(".")
-    return f"${whole}.{cents.ljust(2, '0')}"
+from billing.fixed_point import FixedPoint, exact
+
+NANO_PLACES = 9
+ZERO = Decimal(0)
+
+
+class Money(FixedPoint):
+    """A money column: whole nano-dollars in SQL, Decimal dollars in Python."""
+
+    cache_ok = True
+
+    def __init__(self) -> None:
+        super().__init__(NANO_PLACES)
+
+
+def dollars(value: Any) -> Decimal:
+    """An amount in dollars, exact to the nano-dollar."""
+    return exact(value, NANO_PLACES)
+
+
+def usd(amount: Any) -> str:
+    """$5.00, $4.9012, $0.000123, $0.000000001: as many decimals as the amount has (to the nano-dollar,
+    at least cents), never a sub-cent amount shown as "$0.00"."""
+    value = dollars(amount)
+    sign = "-" if value < 0 else ""
+    text = f"{abs(value):,.9f}".rstrip("0")
+    whole, _, decimals = text.partition(".")
+    return f"{sign}${whole}.{decimals.ljust(2, '0')}"

@@ -1,33 +1,53 @@
-"""Alive and busy time of one model replica, written as ReplicaInterval rows: one row per flush
-covering [previous flush, now], so the rows of a replica tile its life without gaps or overlap.
-busy_s is the engine's busy-time delta over the row; idle_s is the rest of the row's span."""
+"""Alive and busy time of one model replica, written as ReplicaInterval rows with their GpuShare rows (per
+tenant, billing/gpu_shares.py): one row per flush covering [previous flush, now] in whole microseconds, so
+the rows of a replica tile its life without gaps or overlap. busy_s is the engine's busy-time delta over
+the row (at most its span); idle_s is the rest of the span."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
-from datetime import datetime, timezone
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 from sqlalchemy import Engine, insert
 
-from billing.models import ReplicaInterval
+from billing.gpu_shares import split_interval
+from billing.models import GpuShare, ReplicaInterval
 
 log = logging.getLogger("tollgate.replica_intervals")
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+# the engine's busy seconds in all, and per account (tenant uid; None: no tenant), since it started
+BusyTotals = tuple[float, Mapping[str | None, float]]
+
+
+def _micros(t: float) -> int:
+    return round(t * 1_000_000)
+
+
+def _seconds(us: int) -> Decimal:
+    return Decimal(us).scaleb(-6)
+
+
+def _at(us: int) -> datetime:
+    return EPOCH + timedelta(microseconds=us)
+
 
 class IntervalRecorder:
-    def __init__(self, db: Engine, model: str, replica: str, busy_seconds: Callable[[], float], *,
+    def __init__(self, db: Engine, model: str, replica: str, busy: Callable[[], BusyTotals], *,
                  flush_every_s: float = 60.0, started_at: float | None = None) -> None:
         self._db = db
         self._model = model
         self._replica = replica
-        self._busy_seconds = busy_seconds
+        self._busy = busy
         self._flush_every_s = flush_every_s
         self._lock = threading.Lock()
-        self._last_t = time.time() if started_at is None else started_at
-        self._last_busy = 0.0
+        self._last_us = _micros(time.time() if started_at is None else started_at)
+        self._last_busy_us = 0
+        self._last_by: dict[str | None, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rows_written = 0
@@ -39,21 +59,29 @@ class IntervalRecorder:
 
     def flush(self) -> None:
         with self._lock:
-            now = time.time()
-            busy_total = self._busy_seconds()
-            span = max(0.0, now - self._last_t)
-            busy = min(span, max(0.0, busy_total - self._last_busy))
-            row = {"model": self._model, "replica": self._replica,
-                   "start": datetime.fromtimestamp(self._last_t, timezone.utc),
-                   "end": datetime.fromtimestamp(now, timezone.utc), "busy_s": busy, "idle_s": span - busy}
+            now_us = _micros(time.time())
+            busy_total, by_account = self._busy()
+            span = max(0, now_us - self._last_us)
+            # busy time beyond the row's span (sampled a moment apart) carries into the next row
+            busy = min(span, max(0, _micros(busy_total) - self._last_busy_us))
+            grew = {a: v - self._last_by.get(a, 0.0) for a, v in by_account.items()}
+            shares = split_interval(busy, span - busy, grew)
+            row = {"model": self._model, "replica": self._replica, "start": _at(self._last_us),
+                   "end": _at(self._last_us + span), "busy_s": _seconds(busy), "idle_s": _seconds(span - busy)}
             try:
                 with self._db.begin() as conn:
-                    conn.execute(insert(ReplicaInterval), [row])
+                    interval_id = conn.execute(insert(ReplicaInterval).values(**row).returning(ReplicaInterval.id)
+                                               ).scalar_one()
+                    if shares:
+                        conn.execute(insert(GpuShare), [
+                            {"interval_id": interval_id, "tenant_uid": tenant, "busy_s": _seconds(b),
+                             "idle_s": _seconds(i)} for tenant, (b, i) in shares.items()])
             except Exception:  # the span stays open and goes into the next row
                 log.exception("could not write the replica interval of %s", self._model)
                 return
-            # busy time beyond the row's span (sampled a moment apart) carries into the next row
-            self._last_t, self._last_busy = now, self._last_busy + busy
+            self._last_us += span
+            self._last_busy_us += busy
+            self._last_by = dict(by_account)
             self.rows_written += 1
 
     def close(self) -> None:

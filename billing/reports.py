@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, case, func, select
 
-from billing.gpu_usage import gpu_usage_frame
+from billing.gpu_usage import gpu_usage_by_tenant
 from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
 from billing.report_query import Db, When, as_datetime, connect_engine, day_of, within
 
@@ -18,7 +18,7 @@ USAGE_COLUMNS = ["day", "tenant", "model", "requests_ok", "requests_failed", "re
                  "input_tokens", "output_tokens", "cached_tokens", "cache_hits", "revenue_usd",
                  "cache_savings_usd"]
 GPU_COLUMNS = ["model", "replicas", "alive_h", "busy_h", "idle_rate", "gpu_hour_usd", "gpu_cost_usd"]
-ATTRIBUTION_COLUMNS = ["day", "model", "tenant", "busy_s", "busy_share", "gpu_cost_usd"]
+ATTRIBUTION_COLUMNS = ["day", "model", "tenant", "busy_h", "idle_h", "share", "gpu_cost_usd"]
 MARGIN_COLUMNS = ["tenant", "revenue_usd", "gpu_cost_usd", "margin_usd"]
 _KEYS = ["day", "tenant", "model"]
 
@@ -31,18 +31,24 @@ def _sum_if(condition, column) -> object:  # type: ignore[no-untyped-def]
     return func.coalesce(func.sum(case((condition, column), else_=0)), 0)
 
 
+_PRICE_COLUMNS = ["input_per_1m", "cached_input_per_1m", "output_per_1m", "gpu_hour"]
+
+
 def _prices(engine: Engine) -> pd.DataFrame:
-    q = select(ModelDeployment.name.label("model"), ModelDeployment.input_per_1m, ModelDeployment.output_per_1m,
-               ModelDeployment.gpu_hour)
+    d = ModelDeployment
+    q = select(d.name.label("model"), d.input_per_1m, func.coalesce(d.cached_input_per_1m, d.input_per_1m)
+               .label("cached_input_per_1m"), d.output_per_1m, d.gpu_hour)
     with engine.connect() as conn:
         rows = conn.execute(q).mappings().all()
-    return pd.DataFrame(rows, columns=["model", "input_per_1m", "output_per_1m", "gpu_hour"])
+    return pd.DataFrame(rows, columns=["model", *_PRICE_COLUMNS])
 
 
 def _with_prices(frame: pd.DataFrame, engine: Engine) -> pd.DataFrame:
+    """Prices as float64 columns: report frames are for reading and charts; invoices (billing/invoice.py)
+    are the exact account."""
     out = frame.merge(_prices(engine), on="model", how="left")
-    for c in ("input_per_1m", "output_per_1m", "gpu_hour"):
-        out[c] = out[c].fillna(0.0).astype("float64")
+    for c in _PRICE_COLUMNS:
+        out[c] = out[c].fillna(0).astype("float64")
     return out
 
 
@@ -65,6 +71,7 @@ def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) ->
                _count_if(hit).label("cache_hits"),
                _sum_if(miss, ev.prompt_tokens).label("billed_input"),
                _sum_if(miss, ev.completion_tokens).label("billed_output"),
+               _sum_if(miss, ev.cached_tokens).label("billed_cached"),
                _sum_if(hit, ev.prompt_tokens).label("hit_input"),
                _sum_if(hit, ev.completion_tokens).label("hit_output"))
         .select_from(ev)
@@ -80,7 +87,8 @@ def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) ->
         frame[ints] = frame[ints].astype("int64")
         frame = _with_prices(frame, engine)
     per_1m = 1_000_000.0
-    frame["revenue_usd"] = (frame["billed_input"] * frame["input_per_1m"]
+    frame["revenue_usd"] = ((frame["billed_input"] - frame["billed_cached"]) * frame["input_per_1m"]
+                            + frame["billed_cached"] * frame["cached_input_per_1m"]
                             + frame["billed_output"] * frame["output_per_1m"]) / per_1m
     frame["cache_savings_usd"] = (frame["hit_input"] * frame["input_per_1m"]
                                   + frame["hit_output"] * frame["output_per_1m"]) / per_1m
@@ -114,35 +122,11 @@ def gpu_by_model(db: Db, since: When = None, until: When = None) -> pd.DataFrame
 
 
 def gpu_cost_by_tenant(db: Db, since: When = None, until: When = None) -> pd.DataFrame:
-    """GPU cost per model and day split among tenants by their share of busy time.
-
-    A request's busy share is its end-to-end latency (`latency_s`) within its model and day: a tenant's
-    share is the sum of its requests' latencies over the sum of all requests' latencies on that model
-    that day. Requests answered from the semantic cache never reached a GPU and get no share. The whole
-    cost of the model-day (idle time included) is split this way; a model-day with GPU time but no
-    request stays unattributed (it is in `gpu_by_model`, not here)."""
-    ev = UsageEvent
-    day = day_of(ev.created_at).label("day")
-    q = (
-        select(day, ev.model.label("model"), Tenant.name.label("tenant"),
-               func.coalesce(func.sum(ev.latency_s), 0.0).label("busy_s"))
-        .select_from(ev)
-        .outerjoin(Tenant, Tenant.id == ev.tenant_id)
-        .where(ev.cache_hit.is_(False))
-        .group_by(day, ev.model, Tenant.name)
-    )
-    q = within(q, ev.created_at, since, until)
+    """GPU time and cost per model, day and tenant: each tenant's busy and idle share of the replicas' time
+    as the replicas recorded it (billing/gpu_shares.py says how steps and idle time are split), priced at
+    the model's gpu_hour. Idle time of intervals without any work is on "(idle, no tenant)"."""
     with connect_engine(db) as engine:
-        with engine.connect() as conn:
-            rows = conn.execute(q).mappings().all()
-        gpu = gpu_usage_frame(engine, since=as_datetime(since), until=as_datetime(until))
-    busy = pd.DataFrame(rows, columns=["day", "model", "tenant", "busy_s"])
-    busy["busy_s"] = busy["busy_s"].astype("float64")
-    groups = busy.groupby(["day", "model"])["busy_s"]
-    total, count = groups.transform("sum"), groups.transform("count")
-    busy["busy_share"] = (busy["busy_s"] / total.where(total > 0)).fillna(1.0 / count)
-    frame = busy.merge(gpu[["day", "model", "gpu_cost_usd"]], on=["day", "model"], how="inner")
-    frame["gpu_cost_usd"] = frame["busy_share"] * frame["gpu_cost_usd"].astype("float64")
+        frame = gpu_usage_by_tenant(engine, since=as_datetime(since), until=as_datetime(until))
     return _sorted(frame[ATTRIBUTION_COLUMNS], ["day", "model", "tenant"])
 
 

@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, delete, select, update
@@ -50,7 +51,7 @@ def process_id() -> str:
 class Worst:
     """A request's worst case: what it may cost and how many tokens it may use."""
 
-    cost_usd: float
+    cost_usd: Decimal
     tokens: int
 
 
@@ -60,14 +61,10 @@ class Budgets:
 
     tenant_id: int
     api_key_id: int
-    key_budget_usd: float | None
-    tenant_budget_usd: float | None
+    key_budget_usd: Decimal | None
+    tenant_budget_usd: Decimal | None
     rpm: int | None
     tpm: int | None
-
-    @property
-    def any(self) -> bool:
-        return any(v is not None for v in (self.key_budget_usd, self.tenant_budget_usd, self.rpm, self.tpm))
 
 
 @dataclass(frozen=True)
@@ -76,10 +73,10 @@ class Refusal:
 
     kind: str
     scope: str  # key | tenant
-    limit: float
-    used: float  # spent (budgets) or counted this minute (rpm, tpm)
-    reserved: float  # held by requests in flight (budgets)
-    asked: float
+    limit: Decimal | int  # dollars (budgets) or a count (rpm, tpm), as are the three below
+    used: Decimal | int  # spent (budgets) or counted this minute (rpm, tpm)
+    reserved: Decimal | int  # held by requests in flight (budgets)
+    asked: Decimal | int
     retry_after_s: int
 
 
@@ -113,7 +110,7 @@ def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: W
         if scopes:
             ensure = dialect_insert(db, SpendCounter).on_conflict_do_nothing(
                 index_elements=["scope", "scope_id", "period"])
-            conn.execute(ensure, [{"scope": s, "scope_id": i, "period": period, "spent_usd": 0.0, "reserved_usd": 0.0}
+            conn.execute(ensure, [{"scope": s, "scope_id": i, "period": period, "spent_usd": 0, "reserved_usd": 0}
                                   for s, i, _ in scopes])
         for scope, scope_id, budget in scopes:  # tenant before key, in every process: no lock-order deadlock
             row = SpendCounter.__table__.c
@@ -172,12 +169,12 @@ def _take_rate(conn: Connection, db: Engine, b: Budgets, tokens: int, minute: in
 def release(db: Engine, request_ids: list[str]) -> int:
     """Give back reservations whose requests were refused after admission (no usage event follows)."""
     with db.begin() as conn:
-        return _release_rows(conn, _take_rows(conn, request_ids))
+        return settle_in(conn, request_ids)
 
 
-def settle_in(conn: Connection, request_ids: list[str]) -> None:
+def settle_in(conn: Connection, request_ids: list[str]) -> int:
     """Inside the ledger's transaction that writes these requests' events: their reservations go."""
-    _release_rows(conn, _take_rows(conn, request_ids))
+    return _release_rows(conn, _take_rows(conn, request_ids))
 
 
 def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
@@ -190,7 +187,7 @@ def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
 
 
 def _release_rows(conn: Connection, rows: list[Any]) -> int:
-    spend: dict[tuple[str, int, str], float] = defaultdict(float)
+    spend: dict[tuple[str, int, str], Decimal] = defaultdict(Decimal)
     tokens: dict[tuple[int, int], int] = defaultdict(int)
     for row in rows:
         if row.tenant_usd is not None:
@@ -220,6 +217,7 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
         live = select(g.id).where(g.heartbeat_at >= cutoff)
         orphaned = [row.request_id for row in conn.execute(
             select(r.request_id).where(r.owner.not_in(live), r.created_at < cutoff))]
+        conn.execute(delete(GatewayProcess).where(g.heartbeat_at < cutoff - timedelta(days=1)))
         rows = _take_rows(conn, orphaned)
         if not rows:
             return 0
@@ -227,10 +225,9 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
         events = [{"request_id": row.request_id, "created_at": row.created_at, "tenant_id": row.tenant_id,
                    "api_key_id": row.api_key_id, "tags": [], "model": row.model, "endpoint": row.endpoint,
                    "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                   "cache_hit": False, "latency_s": 0.0, "cost_usd": 0.0,
+                   "cache_hit": False, "latency_s": 0.0, "cost_usd": 0,
                    "error": "the gateway serving it stopped before it finished"} for row in rows]
         conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)
-        conn.execute(delete(GatewayProcess).where(g.heartbeat_at < cutoff - timedelta(days=1)))
     log.warning("released %d reservations of gateways that stopped; their requests are recorded as interrupted",
                 len(rows))
     return len(rows)

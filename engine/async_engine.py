@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
 from engine.errors import EngineDeadError, PromptTooLongError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -29,9 +29,6 @@ class _Stream:
     queue: asyncio.Queue
 
 
-# prompts longer than this are tokenized in a worker thread, so that a huge one never stalls the event loop
-# (the short ones, nearly all, skip the thread hop)
-TOKENIZE_IN_THREAD_CHARS = 20_000
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -77,6 +74,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        account: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per engine step with new text; the last has finished=True.
         Bad input raises ValueError before anything is yielded."""
@@ -104,7 +102,7 @@ class AsyncEngine:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             self._streams[request_id] = stream
             self._inbox.append(("add", (request_id, prompt if isinstance(prompt, str) else token_ids, params, priority,
-                                        time.monotonic(), cache_salt)))
+                                        time.monotonic(), cache_salt, account)))
             self._wakeup.notify()
         try:
             while True:
@@ -156,11 +154,12 @@ class AsyncEngine:
         inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "add":
-                request_id, prompt, params, priority, arrival, cache_salt = payload
+                request_id, prompt, params, priority, arrival, cache_salt, account = payload
                 if request_id not in self._streams:
                     continue  # the consumer left before the request reached the engine
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, arrival, cache_salt=cache_salt)
+                    self.engine.add_request(request_id, prompt, params, priority, arrival, cache_salt=cache_salt,
+                                            account=account)
                 except ValueError as exc:
                     self._deliver(request_id, exc)
             else:
@@ -185,7 +184,7 @@ class AsyncEngine:
                 busy_from = time.monotonic()
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 with self._lock:
-                    metrics.busy_seconds += time.monotonic() - busy_from
+                    metrics.add_busy(time.monotonic() - busy_from, self.engine.step_tokens_by_account)
                     for out in outputs:
                         self._deliver(out.request_id, out)
         except BaseException as exc:  # noqa: BLE001 - every waiting consumer must hear about it

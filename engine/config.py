@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 _QUANTIZATIONS = (None, "int8", "int4", "fp8")
+# prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
+# the event loop (the short ones, nearly all, skip the thread hop)
+TOKENIZE_IN_THREAD_CHARS = 20_000
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

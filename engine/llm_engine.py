@@ -78,6 +78,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.metrics)
         self.overlap = config.async_scheduling and self.speculator is None
         self.in_flight: DeferredTokens | None = None  # the last step's tokens, sampled but not read yet
+        self.step_tokens_by_account: Counter[str | None] = Counter()  # of the last step that launched a batch
         self.load_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks", self.load_seconds, self.max_model_len,
                  self.runner.num_blocks)
@@ -117,9 +118,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream: bool = True,
         cache_salt: str | None = None,
+        account: str | None = None,
     ) -> None:
         """Validates and queues a request. Bad input raises ValueError and changes nothing. `cache_salt`: the
-        request reuses (and leaves) prefix-cache blocks only for requests with the same salt."""
+        request reuses (and leaves) prefix-cache blocks only for requests with the same salt. `account`: whom
+        its share of each step's time is counted to (step_tokens_by_account)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -141,7 +144,7 @@ class LLMEngine:
             seq.max_num_tokens = longest
             seqs.append(seq)
         state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(arrival, num_prompt_tokens=len(ids)),
-                             stream)
+                             stream, account)
         self.output_processor.add_request(state)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -191,11 +194,21 @@ class LLMEngine:
         if not batch.seqs:
             return None
         self._count_prompt_tokens(batch)
+        self._count_step_tokens(batch)
         launched = self.runner.execute(batch, previous, self.overlap)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
         self.metrics.num_steps += 1
         return launched
+
+    def _count_step_tokens(self, batch: ScheduledBatch) -> None:
+        """Each account's tokens in the step being launched: its share of the step's time (a prefill token and
+        a decode token both pass every weight matrix once, so each counts 1). A step that launches nothing
+        keeps the last batch's counts: its time goes to finishing that batch."""
+        counts: Counter[str | None] = Counter()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            counts[self.requests[seq.request_id].account] += num_new
+        self.step_tokens_by_account = counts
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()

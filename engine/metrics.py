@@ -25,12 +25,21 @@ class EngineMetrics:
     num_preemptions: int = 0
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # busy_seconds split over the requests' accounts by their tokens in each step (LLMEngine._count_step_tokens)
+    busy_seconds_by_account: dict[str | None, float] = field(default_factory=dict)
     # speculative decoding: sequence-steps that verified drafts, draft tokens verified, draft tokens kept
     spec_verifications: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     ttft_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
     tpot_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def add_busy(self, seconds: float, tokens_by_account: dict[str | None, int]) -> None:
+        self.busy_seconds += seconds
+        total = sum(tokens_by_account.values())
+        shares = {a: n / total for a, n in tokens_by_account.items()} if total else {None: 1.0}
+        for account, share in shares.items():
+            self.busy_seconds_by_account[account] = self.busy_seconds_by_account.get(account, 0.0) + seconds * share
 
     def record_request(self, arrival: float, first_token: float | None, finished: float, num_output_tokens: int) -> None:
         self.num_requests_finished += 1
@@ -58,6 +67,7 @@ class EngineMetrics:
             "kv_blocks_total": kv_blocks_total,
             "kv_cache_usage": kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0,
             "busy_seconds": self.busy_seconds,
+            "busy_seconds_by_account": dict(self.busy_seconds_by_account),
             "idle_seconds": self.idle_seconds,
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p99_s": _percentile(ttft, 0.99),

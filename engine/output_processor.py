@@ -27,6 +27,7 @@ class RequestState:
     seqs: list[Sequence]
     metrics: RequestMetrics
     stream: bool
+    account: str | None = None  # whose GPU time the request's steps are (EngineMetrics.busy_seconds_by_account)
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ import hmac
 import threading
 import time
 from dataclasses import dataclass
+from decimal import Decimal
 
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import DBAPIError
@@ -27,8 +28,8 @@ class Principal:
     project: str | None
     rpm: int | None
     tpm: int | None
-    key_budget_usd: float | None
-    tenant_budget_usd: float | None
+    key_budget_usd: Decimal | None
+    tenant_budget_usd: Decimal | None
 
 
 class KeyStore:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
 from engine.outputs import RequestOutput, TokenLogprob
 from gateway.specs import ModelSpec
 
@@ -17,7 +17,6 @@ from gateway.specs import ModelSpec
 # unavailable: cannot serve (BackendInfo.reason says why); stopped: shut down
 BackendState = Literal["ready", "scaled_to_zero", "loading", "unavailable", "stopped"]
 SERVING_STATES = ("ready", "scaled_to_zero")
-TEMPLATE_IN_THREAD_CHARS = 20_000  # longer chats are rendered off the event loop
 
 
 @dataclass
@@ -29,6 +28,7 @@ class GenerationRequest:
     priority: int = 0
     # prefix-cache blocks are shared only among requests with the same salt (the gateway's: per tenant)
     cache_salt: str | None = None
+    account: str | None = None  # the tenant (uid) whose GPU time this request's share of each step is
 
 
 @dataclass
@@ -104,7 +104,7 @@ class LocalEngineBackend:
             config = EngineConfig.from_kwargs(self.spec.source, **self._fields)
             self._engine = await asyncio.to_thread(AsyncEngine.from_config, config)
         except BaseException as e:
-            self.mark_unavailable(f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+            self.mark_unavailable(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
             raise
         self._state = "ready"
 
@@ -141,7 +141,7 @@ class LocalEngineBackend:
             raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}{why}")
         engine = self._engine
         if request.messages is not None:
-            if sum(len(m.get("content") or "") for m in request.messages) > TEMPLATE_IN_THREAD_CHARS:
+            if sum(len(m.get("content") or "") for m in request.messages) > TOKENIZE_IN_THREAD_CHARS:
                 prompt: str | list[int] = await asyncio.to_thread(engine.tokenizer.apply_chat_template,
                                                                   request.messages)
             else:
@@ -152,7 +152,7 @@ class LocalEngineBackend:
             raise ValueError("prompt: missing")
         finish_reported: set[int] = set()
         async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
-                                         cache_salt=request.cache_salt):
+                                         cache_salt=request.cache_salt, account=request.account):
             yield self._chunk(out, finish_reported)
 
     def _chunk(self, out: RequestOutput, finish_reported: set[int]) -> GenerationChunk:

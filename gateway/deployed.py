@@ -19,10 +19,6 @@ class DeployedModels:
     backends: dict[str, ModelBackend] = field(default_factory=dict)
     specs: dict[str, ModelSpec] = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, pairs: list[tuple[ModelSpec, ModelBackend]]) -> "DeployedModels":
-        return cls({s.name: b for s, b in pairs}, {s.name: s for s, _ in pairs})
-
     def prices(self, model: str) -> Prices:
         spec = self.specs.get(model)
         return spec.pricing.prices() if spec is not None else Prices()

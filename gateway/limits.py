@@ -6,7 +6,6 @@ writes the request's usage event; a refusal after admission releases it."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -15,14 +14,13 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from billing.ledger import Ledger
-from billing.money import usd
+from billing.money import ZERO, usd
 from billing.periods import seconds_to_next_minute
 from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve
 from gateway.auth import Principal
 from gateway.errors import APIError, insufficient_quota, rate_limited
 from gateway.outage_log import warn_once
 
-log = logging.getLogger("tollgate.limits")
 
 
 @dataclass(frozen=True)
@@ -79,11 +77,9 @@ class Limiter:
 
     def release(self, request_id: str) -> None:
         """The request was refused after admission (no usage event follows): give its reservation back."""
-        try:
-            release(self._engine, [request_id])
-        except OperationalError:
-            with self._lock:
-                self._unreleased.add(request_id)
+        with self._lock:
+            self._unreleased.add(request_id)
+        self.retry_releases()
 
     def retry_releases(self) -> None:
         with self._lock:
@@ -108,7 +104,7 @@ class Limiter:
                                seconds_to_next_minute(now))
         for scope, scope_id, budget in (("key", p.key_id, p.key_budget_usd), ("tenant", p.tenant_id,
                                                                               p.tenant_budget_usd)):
-            spent = ledger.pending_spend(scope, scope_id) if ledger else 0.0
+            spent = ledger.pending_spend(scope, scope_id) if ledger else ZERO
             if budget is not None and spent >= budget:
                 raise insufficient_quota(f"{_whose(p, scope)} monthly budget of {usd(budget)} is spent.")
 
@@ -125,7 +121,7 @@ def _whose(p: Principal, scope: str) -> str:
 
 def refusal_error(p: Principal, r: Refusal) -> APIError:
     if r.kind == "budget":
-        left = max(0.0, r.limit - r.used - r.reserved)
+        left = max(ZERO, r.limit - r.used - r.reserved)
         return insufficient_quota(
             f"{_whose(p, r.scope)} monthly budget of {usd(r.limit)} has {usd(left)} left ({usd(r.used)} spent, "
             f"{usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} (its prompt "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -120,7 +121,7 @@ class _BudgetUse(Collector):
                                   labels=["tenant"])
         for row in self._current():
             ratio.add_metric([row.tenant], row.ratio)
-            spent.add_metric([row.tenant], row.spent_usd)
+            spent.add_metric([row.tenant], float(row.spent_usd))
         yield from (ratio, spent)
 
 
@@ -191,14 +192,14 @@ class Metrics:
         if gpu_memory is not None:
             r.register(_GpuMemory(gpu_memory))
 
-    def cache_hit(self, model: str, saved_usd: float = 0.0) -> None:
+    def cache_hit(self, model: str, saved_usd: float | Decimal = 0.0) -> None:
         self.cache_hits.labels(model).inc()
         if saved_usd > 0:
-            self.cache_saved.labels(model).inc(saved_usd)
+            self.cache_saved.labels(model).inc(float(saved_usd))
 
-    def add_spend(self, tenant: str, usd: float) -> None:
+    def add_spend(self, tenant: str, usd: float | Decimal) -> None:
         if usd > 0:
-            self.tenant_spend.labels(self._tenant_label(tenant)).inc(usd)
+            self.tenant_spend.labels(self._tenant_label(tenant)).inc(float(usd))
 
     def observe_tpot(self, model: str, latency_s: float, ttft_s: float | None, completion_tokens: int) -> None:
         """(end-to-end − first token) / (tokens − 1); needs a first-token time and two tokens."""

@@ -143,6 +143,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
     headers = {}
     request_id = gw.new_request_id(fmt)
     reserved = False
+    call: Call | None = None
     try:
         params = to_sampling_params(body)
         backend = gw.backend_for(model)
@@ -153,7 +154,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())
-        call: Call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags())
+        call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags())
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header
@@ -170,13 +171,17 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
                 call.cache_decision = outcome.decision
             generation = make_request(call.request_id, params)
             generation.cache_salt = gw.cache_salt(p, model)
+            generation.account = p.tenant_uid
             first, stream = await gw.begin(call, generation)
     except BaseException as e:
         # refused (or cancelled) after admission and before the model ran: no usage event follows, so the
         # reservation goes back now; a failure that recorded one settles when the ledger writes it
-        if reserved and not getattr(e, "recorded", False):
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(gw.limiter.release, request_id)
+        if not getattr(e, "recorded", False):
+            if call is not None:
+                gw.refused(call)
+            if reserved:
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(gw.limiter.release, request_id)
         if isinstance(e, APIError):
             gw.rejected(e)
         raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from decimal import Decimal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from sqlalchemy import Engine
 from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
+from billing.money import ZERO
 from billing.pricing import request_cost
 from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
@@ -157,8 +159,21 @@ class Gateway:
 
     def new_call(self, request_id: str, p: Principal, model: str, backend: ModelBackend, fmt: Format,
                  end_user: str | None, request_tags: list[str]) -> Call:
+        """The admitted request, journaled before anything runs (billing/admission_journal.py): it leaves a
+        usage event whatever happens to this process. A 503 when the journal cannot be written."""
         tags = ([p.project] if p.project else []) + request_tags
+        try:
+            self.ledger.begin(request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, model=model,
+                              endpoint=fmt.endpoint, end_user=end_user, tags=tags)
+        except OSError as e:
+            log.error("cannot journal request %s: %s", request_id, e)
+            raise APIError(503, "The gateway cannot record requests right now (its journal is not writable); "
+                           "try again shortly.", "server_error", "journal_unavailable") from e
         return Call(request_id, p, model, backend, fmt, end_user, tags)
+
+    def refused(self, call: Call) -> None:
+        """A journaled request that was refused before it ran, leaving no usage event."""
+        self.ledger.refused(call.request_id)
 
     # ---- the model call ---------------------------------------------------------------------
 
@@ -246,17 +261,18 @@ class Gateway:
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
                 self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
                     "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
-                    "cost_usd": self._list_price(call), "finish_reason": call.finish_reason or "stop"})
+                    "cost_usd": float(self._list_price(call)), "finish_reason": call.finish_reason or "stop"})
 
     # ---- the ledger -------------------------------------------------------------------------
 
-    def _list_price(self, call: Call) -> float:
-        return request_cost(self.models.prices(call.model), call.prompt_tokens, call.completion_tokens)
+    def _list_price(self, call: Call) -> Decimal:
+        return request_cost(self.models.prices(call.model), call.prompt_tokens, call.completion_tokens,
+                            call.cached_tokens)
 
     def record(self, call: Call, status: str, error: str | None = None) -> None:
         latency = time.perf_counter() - call.started
         # a cache hit is billed at the cache price (0); its tokens are what it saved at the list price
-        cost = 0.0 if call.cache_hit else self._list_price(call)
+        cost = ZERO if call.cache_hit else self._list_price(call)
         p = call.principal
         self.ledger.record(UsageEvent(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
@@ -274,7 +290,7 @@ class Gateway:
         m.requests.labels(call.model, call.fmt.endpoint, status).inc()
         m.tokens.labels(call.model, "prompt").inc(call.prompt_tokens)
         m.tokens.labels(call.model, "completion").inc(call.completion_tokens)
-        m.cost.labels(call.model).inc(cost)
+        m.cost.labels(call.model).inc(float(cost))
         m.latency.labels(call.model).observe(latency)
         if call.ttft_s is not None:
             m.ttft.labels(call.model).observe(call.ttft_s)

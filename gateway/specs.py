@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from billing.money import dollars
 from billing.pricing import Prices
 from engine.config import EngineConfig
 from gateway.model_roots import checked_source
@@ -25,9 +26,19 @@ class Pricing(BaseModel):
     input_per_1m: float = Field(0.0, ge=0)
     output_per_1m: float = Field(0.0, ge=0)
     gpu_hour: float = Field(0.0, ge=0)
+    # prompt tokens read from the KV prefix cache (usage's cached_tokens); unset: the input price
+    cached_input_per_1m: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _cached_at_most_input(self) -> "Pricing":
+        if self.cached_input_per_1m is not None and self.cached_input_per_1m > self.input_per_1m:
+            raise ValueError(f"cached_input_per_1m ({self.cached_input_per_1m}) must not exceed input_per_1m "
+                             f"({self.input_per_1m})")
+        return self
 
     def prices(self) -> Prices:
-        return Prices(self.input_per_1m, self.output_per_1m, self.gpu_hour)
+        cached = None if self.cached_input_per_1m is None else dollars(self.cached_input_per_1m)
+        return Prices(dollars(self.input_per_1m), dollars(self.output_per_1m), dollars(self.gpu_hour), cached)
 
 
 class Resources(BaseModel):

@@ -65,7 +65,8 @@ _DECLARED = [
              f"directories ({os.pathsep}-separated) that a spec's model paths may lie under, besides the spec's "
              "own directory and the Hugging Face cache", "state"),
     Variable("TOLLGATE_LEDGER_SPILL_DIR", _path, None,
-             "where usage events wait as JSONL while the database is unreachable (unset: TOLLGATE_HOME/ledger-spill)",
+             "the admission journal, and where usage events wait as JSONL while the database is unreachable "
+             "(unset: TOLLGATE_HOME/ledger-spill)",
              "state"),
     # ---- the gateway ----------------------------------------------------------------------------
     Variable("TOLLGATE_HOST", str, "127.0.0.1", "address the gateway listens on", "gateway"),

@@ -57,6 +57,9 @@ def register(sub: Any) -> None:
     usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")
     usage.add_argument("--gpu", action="store_true", help="replica time per model and day: alive, busy, idle rate")
     usage.add_argument("--model", help="with --gpu: only this model")
+    usage.add_argument("--by", choices=("model", "tenant"), default="model",
+                       help="with --gpu: per model (alive, busy, idle rate) or per tenant (each one's busy and idle "
+                            "share of the replicas' time)")
     usage.add_argument("--json", action="store_true")
     usage.set_defaults(func=cmd_usage)
 
@@ -144,9 +147,10 @@ def cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
     db = open_database(settings.db_url)
     if args.gpu:
-        from billing.gpu_usage import gpu_usage_frame
+        from billing.gpu_usage import gpu_usage_by_tenant, gpu_usage_frame
 
-        frame = gpu_usage_frame(db, model=args.model, since=args.since, until=args.until)
+        per = gpu_usage_by_tenant if args.by == "tenant" else gpu_usage_frame
+        frame = per(db, model=args.model, since=args.since, until=args.until)
         print_frame(frame, args.json, "no replica time recorded")
         return 0
     from billing.usage import usage_frame

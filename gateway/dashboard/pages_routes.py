@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from billing.money import ZERO
 from gateway.dashboard import stats
 from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.charts import bar_chart
@@ -42,9 +43,9 @@ async def tenants(request: Request, tenant: str | None = None, days: int = 30, s
     chart = daily = by_model = None
     if chosen is not None:
         daily = await run_in_threadpool(stats.tenant_daily_cost, db, chosen, days)
-        chart = bar_chart([d.day.strftime("%b %d") for d in daily], [d.cost_usd for d in daily])
+        chart = bar_chart([d.day.strftime("%b %d") for d in daily], [float(d.cost_usd) for d in daily])
         first = stats.today_utc() - timedelta(days=days - 1)
         by_model = await run_in_threadpool(stats.tenant_cost_by_model, db, chosen, first)
-    total = sum(d.cost_usd for d in daily) if daily else 0.0
+    total = sum((d.cost_usd for d in daily), ZERO) if daily else ZERO
     return admin_page(request, session, "tenants.html", title="Tenants", rows=rows, chosen=chosen, days=days,
                       day_choices=CHART_DAYS, chart=chart, daily=daily, by_model=by_model, total=total)

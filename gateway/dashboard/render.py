@@ -4,11 +4,14 @@ from outside (no scripts at all; styles only from this server)."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.responses import HTMLResponse, Response
+
+from billing.money import usd as money_text
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -22,8 +25,9 @@ SECURITY_HEADERS = {
 }
 
 
-def usd(value: float | None) -> str:
-    return "—" if value is None else f"${value:,.4f}"
+def usd(value: float | Decimal | None) -> str:
+    """Money with the precision it has ($0.000123, never $0.0000)."""
+    return "—" if value is None else money_text(value)
 
 
 def pct(value: float) -> str:

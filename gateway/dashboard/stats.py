@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 
 from sqlalchemy import Engine, case, func, select
 
 from billing.models import ApiKey, Tenant, UsageEvent
+from billing.money import ZERO
 from billing.report_query import day_of, within
 from billing.reports import gpu_by_model, usage_by_tenant_day_model
 
@@ -23,7 +25,7 @@ def month_start(day: date) -> date:
 
 @dataclass(frozen=True)
 class Totals:
-    spend_usd: float
+    spend_usd: Decimal
     requests: int
     tokens: int
     cache_hits: int
@@ -44,12 +46,12 @@ class Overview:
 
 def _totals(db: Engine, since: date) -> Totals:
     ev = UsageEvent
-    q = select(func.coalesce(func.sum(ev.cost_usd), 0.0), func.count(ev.id),
+    q = select(func.coalesce(func.sum(ev.cost_usd), 0), func.count(ev.id),
                func.coalesce(func.sum(ev.prompt_tokens + ev.completion_tokens), 0),
                func.coalesce(func.sum(case((ev.cache_hit.is_(True), 1), else_=0)), 0))
     with db.connect() as conn:
         spend, requests, tokens, hits = conn.execute(within(q, ev.created_at, since, None)).one()
-    return Totals(float(spend), int(requests), int(tokens), int(hits))
+    return Totals(spend, int(requests), int(tokens), int(hits))
 
 
 def overview(db: Engine) -> Overview:
@@ -64,11 +66,11 @@ def overview(db: Engine) -> Overview:
 @dataclass(frozen=True)
 class TenantRow:
     name: str
-    budget_usd: float | None
+    budget_usd: Decimal | None
     active_keys: int
     requests_month: int
-    spend_month_usd: float
-    spend_total_usd: float
+    spend_month_usd: Decimal
+    spend_total_usd: Decimal
 
 
 def tenant_rows(db: Engine) -> list[TenantRow]:
@@ -76,7 +78,7 @@ def tenant_rows(db: Engine) -> list[TenantRow]:
     start = month_start(today_utc())
     in_month = ev.created_at >= datetime(start.year, start.month, 1, tzinfo=timezone.utc)
     spend = (select(ev.tenant_id.label("tid"), func.sum(ev.cost_usd).label("total"),
-                    func.sum(case((in_month, ev.cost_usd), else_=0.0)).label("month"),
+                    func.sum(case((in_month, ev.cost_usd), else_=0)).label("month"),
                     func.sum(case((in_month, 1), else_=0)).label("requests"))
              .group_by(ev.tenant_id).subquery())
     keys = (select(ApiKey.tenant_id.label("tid"), func.count(ApiKey.id).label("n"))
@@ -85,14 +87,14 @@ def tenant_rows(db: Engine) -> list[TenantRow]:
          .outerjoin(spend, spend.c.tid == Tenant.id).outerjoin(keys, keys.c.tid == Tenant.id)
          .order_by(Tenant.name))
     with db.connect() as conn:
-        return [TenantRow(n, b, int(k or 0), int(r or 0), float(m or 0.0), float(t or 0.0))
+        return [TenantRow(n, b, int(k or 0), int(r or 0), m or ZERO, t or ZERO)
                 for n, b, k, r, m, t in conn.execute(q)]
 
 
 @dataclass(frozen=True)
 class DailyCost:
     day: date
-    cost_usd: float
+    cost_usd: Decimal
 
 
 def tenant_daily_cost(db: Engine, tenant: str, days: int) -> list[DailyCost]:
@@ -104,13 +106,13 @@ def tenant_daily_cost(db: Engine, tenant: str, days: int) -> list[DailyCost]:
     q = (select(day, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
          .where(Tenant.name == tenant).group_by(day))
     with db.connect() as conn:
-        spent = {d: float(c) for d, c in conn.execute(within(q, ev.created_at, first, end + timedelta(days=1)))}
-    return [DailyCost(d, spent.get(d.isoformat(), 0.0)) for d in (first + timedelta(n) for n in range(days))]
+        spent = {d: c for d, c in conn.execute(within(q, ev.created_at, first, end + timedelta(days=1)))}
+    return [DailyCost(d, spent.get(d.isoformat(), ZERO)) for d in (first + timedelta(n) for n in range(days))]
 
 
-def tenant_cost_by_model(db: Engine, tenant: str, since: date) -> list[tuple[str, float]]:
+def tenant_cost_by_model(db: Engine, tenant: str, since: date) -> list[tuple[str, Decimal]]:
     ev = UsageEvent
     q = (select(ev.model, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
          .where(Tenant.name == tenant).group_by(ev.model).order_by(ev.model))
     with db.connect() as conn:
-        return [(m, float(c)) for m, c in conn.execute(within(q, ev.created_at, since, None))]
+        return [(m, c) for m, c in conn.execute(within(q, ev.created_at, since, None))]

@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 
 from billing.db import make_engine
-from billing.replica_intervals import IntervalRecorder
+from billing.replica_intervals import BusyTotals, IntervalRecorder
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, LocalEngineBackend
 from gateway.serving.gpu_sampler import GpuSampler
 from gateway.serving.model_cache import prepared_source
@@ -44,9 +44,9 @@ class ModelServer:
         self.load_s = self.ready_at - started
         log.info("replica %s of %s ready in %.2f s", self.replica, self.spec.name, self.load_s)
 
-    def _busy_seconds(self) -> float:
+    def _busy_seconds(self) -> BusyTotals:
         stats = self.backend.stats()
-        return float(stats.get("busy_seconds", 0.0))
+        return float(stats.get("busy_seconds", 0.0)), stats.get("busy_seconds_by_account", {})
 
     async def generate(self, request: GenerationRequest
                        ) -> AsyncIterator[ReplicaAccepted | GenerationChunk | ReplicaError]:

@@ -4,6 +4,7 @@ segments, and later events keep flowing. SQLite, and PostgreSQL with TOLLGATE_TE
 
 from __future__ import annotations
 
+from decimal import Decimal
 import json
 import logging
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_a_refused_event_is_set_aside_and_the_rest_flow(db: Engine, db_url: str,
     assert ledger.flush(timeout=20)  # the poison does not hold the batch up
     assert _stored(db) == set(good)
     assert not ledger.database_down and ledger.failed_batches == 0 and ledger.backlog == 0
-    assert _spend(db) == {("key", key.id): 0.06, ("tenant", tenant.id): 0.06}  # refused events are not counted
+    assert _spend(db) == {("key", key.id): Decimal("0.06"), ("tenant", tenant.id): Decimal("0.06")}  # refused events are not counted
     assert ledger.pending_spend("key", key.id) == pytest.approx(0.0, abs=1e-12)
 
     dead = _dead_letters(spill)

@@ -7,7 +7,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from billing.gpu_usage import NO_TENANT
+from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
 from billing.reports import (
     cost_report,
     gpu_by_model,
@@ -45,13 +46,23 @@ def seeded(db):
             _event(6, evil, "large", DAY1 - timedelta(days=5), prompt=7, latency=1.0),  # before the window
             # GPU: small on day 1 alive 3 h (1 h busy) over two replicas; large on day 2 alive 1 h (0.25 h busy)
         ])
-        s.add_all([
+        a, b, c = (
             ReplicaInterval(model="small", replica="a", start=DAY1, end=DAY1 + timedelta(hours=2),
                             busy_s=1800.0, idle_s=5400.0),
             ReplicaInterval(model="small", replica="b", start=DAY1, end=DAY1 + timedelta(hours=1),
                             busy_s=1800.0, idle_s=1800.0),
             ReplicaInterval(model="large", replica="c", start=DAY2, end=DAY2 + timedelta(hours=1),
                             busy_s=900.0, idle_s=2700.0),
+        )
+        s.add_all([a, b, c])
+        s.flush()
+        # as the replicas split them (billing/gpu_shares.py): a served acme and evil, b acme only, c nobody
+        s.add_all([
+            GpuShare(interval_id=a.id, tenant_uid=acme.uid, busy_s=1200.0, idle_s=3600.0),
+            GpuShare(interval_id=a.id, tenant_uid=evil.uid, busy_s=600.0, idle_s=1800.0),
+            GpuShare(interval_id=b.id, tenant_uid=acme.uid, busy_s=1800.0, idle_s=1800.0),
+            GpuShare(interval_id=c.id, tenant_uid=evil.uid, busy_s=900.0, idle_s=0.0),
+            GpuShare(interval_id=c.id, tenant_uid=None, busy_s=0.0, idle_s=2700.0),
         ])
         s.commit()
     return db
@@ -86,24 +97,27 @@ def test_gpu_per_model_idle_rate_and_cost(seeded):
     assert gpu_by_model(seeded, since=DAY2.date()).model.tolist() == ["large"]
 
 
-def test_gpu_cost_attributed_by_latency_share_and_margin(seeded):
+def test_gpu_cost_follows_the_replicas_shares_and_margin(seeded):
     window = {"since": date(2026, 3, 1), "until": date(2026, 3, 3)}
     frame = gpu_cost_by_tenant(seeded, **window)
     small = frame[frame.model == "small"].set_index("tenant")
-    # small, day 1: acme 3 + 1 s (the cache hit gets no share), evil 4 s; the model-day costs 6 USD
-    assert small.busy_share.to_dict() == pytest.approx({"acme": 0.5, EVIL: 0.5})
-    assert small.gpu_cost_usd.to_dict() == pytest.approx({"acme": 3.0, EVIL: 3.0})
-    assert frame.gpu_cost_usd.sum() == pytest.approx(6.0 + 10.0)  # every GPU dollar lands on a tenant
+    # small, day 1 (3 h of replica time): acme 1200+3600 s on a and 1800+1800 s on b, evil 600+1800 s on a
+    assert small.share.to_dict() == pytest.approx({"acme": 8400 / 10800, EVIL: 2400 / 10800})
+    assert small.gpu_cost_usd.to_dict() == pytest.approx({"acme": 8400 / 3600 * 2.0, EVIL: 2400 / 3600 * 2.0})
+    large = frame[frame.model == "large"].set_index("tenant")
+    assert large.gpu_cost_usd.to_dict() == pytest.approx({EVIL: 2.5, NO_TENANT: 7.5})  # idle without work: no tenant
+    assert frame.gpu_cost_usd.sum() == pytest.approx(6.0 + 10.0)  # every GPU dollar is on a row
 
     margin = margin_by_tenant(seeded, **window).set_index("tenant")
     acme_revenue = 1_000_100 * 0.5e-6 + 200_000 * 1.5e-6
     evil_revenue = 15 * 0 + 10 * 0.5e-6 + 5 * 1.5e-6 + 0.3 + 0.15
-    assert margin.loc["acme"].margin_usd == pytest.approx(acme_revenue - 3.0)
+    assert margin.loc["acme"].margin_usd == pytest.approx(acme_revenue - 8400 / 3600 * 2.0)
     assert margin.loc[EVIL].revenue_usd == pytest.approx(evil_revenue)
-    assert margin.loc[EVIL].gpu_cost_usd == pytest.approx(13.0)
+    assert margin.loc[EVIL].gpu_cost_usd == pytest.approx(2400 / 3600 * 2.0 + 2.5)
 
     report = cost_report(seeded, **window)
-    assert report.margin_usd.sum() == pytest.approx(margin.margin_usd.sum())
+    # the cost report has usage rows only: idle time on no tenant is in the margin, not in it
+    assert report.margin_usd.sum() == pytest.approx(margin.margin_usd.sum() + margin.loc[NO_TENANT].gpu_cost_usd)
 
 
 def test_empty_database_gives_empty_frames(db):

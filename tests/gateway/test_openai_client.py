@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import httpx
 import openai
 import pytest
@@ -37,8 +39,10 @@ def test_chat_plain_records_usage_and_cost(client, server, shared_db):
     assert (ev.status, ev.prompt_tokens, ev.completion_tokens) == ("ok", r.usage.prompt_tokens,
                                                                    r.usage.completion_tokens)
     assert ev.end_user == "alice" and ev.tags == ["search", "checkout"]
-    expected = (r.usage.prompt_tokens * 0.05 + r.usage.completion_tokens * 0.10) / 1e6
-    assert ev.cost_usd == pytest.approx(expected) and ev.cost_usd > 0
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+    # exact: the spec's prices per 1M, the KV-cached prompt tokens at the input price (no cached price set)
+    expected = (r.usage.prompt_tokens * Decimal("0.05") + r.usage.completion_tokens * Decimal("0.10")) / 10**6
+    assert cached >= 0 and ev.cost_usd == expected.quantize(Decimal("0.000000001")) and ev.cost_usd > 0
     assert ev.latency_s > 0 and ev.ttft_s is not None and ev.ttft_s <= ev.latency_s
 
 

@@ -24,7 +24,7 @@ from ray import serve  # noqa: E402
 from billing.accounts import create_key, create_tenant  # noqa: E402
 from billing.db import make_engine  # noqa: E402
 from billing.gpu_usage import gpu_usage_frame  # noqa: E402
-from billing.models import ReplicaInterval, UsageEvent  # noqa: E402
+from billing.models import GpuShare, ReplicaInterval, UsageEvent  # noqa: E402
 from gateway.serving import deploy as ops  # noqa: E402
 from gateway.serving import status  # noqa: E402
 from gateway.serving.gateway_app import deploy_gateway  # noqa: E402
@@ -61,6 +61,7 @@ class Platform:
     db_url: str
     settings: Settings
     model: str
+    tenant_uid: str
 
     def chat(self, max_tokens: int = 8, stream: bool = False, timeout: float = 120.0, **extra: object) -> httpx.Response:
         # a new question each time: a repeated one could be answered by the semantic cache, not the model
@@ -98,9 +99,9 @@ def platform(tmp_path_factory) -> Iterator[Platform]:
             spec = test_spec()
             ops.deploy_model(db, spec, settings)
             deploy_gateway(settings)
-            create_tenant(db, "acme")
+            tenant = create_tenant(db, "acme")
             key = create_key(db, "acme").key
-            p = Platform(f"http://127.0.0.1:{port}", key, db, db_url, settings, spec.name)
+            p = Platform(f"http://127.0.0.1:{port}", key, db, db_url, settings, spec.name, tenant.uid)
             wait_until(lambda: _listed(p), 30, "the gateway to list the model")
             yield p
         finally:
@@ -115,6 +116,11 @@ def _listed(p: Platform) -> bool:
     except httpx.TransportError:
         return False
     return r.status_code == 200 and any(m["id"] == p.model for m in r.json()["data"])
+
+
+def _shares(db: Engine, interval_ids: list[int]) -> list[GpuShare]:
+    with db.connect() as conn:
+        return list(conn.execute(select(GpuShare).where(GpuShare.interval_id.in_(interval_ids))).all())
 
 
 def _intervals(db: Engine, model: str) -> dict[str, list[ReplicaInterval]]:
@@ -163,7 +169,11 @@ def test_scale_to_zero_and_back_with_intervals(platform: Platform) -> None:
         for a, b in zip(rows, rows[1:]):  # the rows tile the replica's life
             assert abs(_ts(b.start) - _ts(a.end)) < 1e-3
         alive = sum(_ts(r.end) - _ts(r.start) for r in rows)
-        assert abs(sum(r.busy_s + r.idle_s for r in rows) - alive) < 1e-3
+        assert abs(float(sum(r.busy_s + r.idle_s for r in rows)) - alive) < 1e-3
+        # the tenant's shares of each interval add up to it exactly, and its busy time is the tenant's
+        shares = _shares(platform.db, [r.id for r in rows])
+        assert sum(s.busy_s + s.idle_s for s in shares) == sum(r.busy_s + r.idle_s for r in rows)
+        assert sum(s.busy_s for s in shares if s.tenant_uid == platform.tenant_uid) == sum(r.busy_s for r in rows)
         first, last = _ts(rows[0].start), _ts(rows[-1].end)
         assert sent - 0.5 <= first <= answered  # the replica started for this request
         assert answered + DOWNSCALE_S - 1.0 <= last <= gone + 0.5  # and lived until the scale-down

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from decimal import Decimal
 
 import pytest
 
@@ -23,7 +24,7 @@ def _rows(db):  # type: ignore[no-untyped-def]
 def test_rows_tile_the_replica_life_and_split_busy_from_idle(db) -> None:  # type: ignore[no-untyped-def]
     busy = [0.0]
     started = time.time() - 2.0
-    rec = IntervalRecorder(db, "m", "r1", lambda: busy[0], flush_every_s=0.05, started_at=started).start()
+    rec = IntervalRecorder(db, "m", "r1", lambda: (busy[0], {}), flush_every_s=0.05, started_at=started).start()
     busy[0] = 0.5
     time.sleep(0.3)
     busy[0] = 0.6  # the engine's busy time never grows faster than the clock
@@ -36,15 +37,15 @@ def test_rows_tile_the_replica_life_and_split_busy_from_idle(db) -> None:  # typ
         assert a.end == b.start
     span = rows[-1].end.timestamp() - rows[0].start.timestamp()
     assert span == pytest.approx(ended - started, abs=0.05)
-    assert sum(r.busy_s for r in rows) == pytest.approx(0.6)
-    assert sum(r.busy_s + r.idle_s for r in rows) == pytest.approx(span, abs=1e-3)
+    assert sum(r.busy_s for r in rows) == Decimal("0.6")  # whole microseconds: exact
+    assert float(sum(r.busy_s + r.idle_s for r in rows)) == pytest.approx(span, abs=1e-6)
 
 
 def test_gpu_usage_per_model_and_day(db) -> None:  # type: ignore[no-untyped-def]
     record_deployments(db, [ModelSpec(name="big", source="x", pricing={"gpu_hour": 2.0}).model_dump(mode="json")])
     for replica, busy in (("a", 0.0), ("b", 900.0)):
         t = [time.time() - 3600.0]
-        rec = IntervalRecorder(db, "big", replica, lambda b=busy: b, started_at=t[0])
+        rec = IntervalRecorder(db, "big", replica, lambda b=busy: (b, {}), started_at=t[0])
         rec.flush()
     frame = gpu_usage_frame(db, model="big")
     [row] = frame.to_dict("records")
