@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +15,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from billing.deployments import record_deployments
+from billing.replica_intervals import IntervalRecorder
 from gateway import errors
 from gateway.access_log import redact_access_log
 from gateway.admin_routes import admin_router
@@ -51,14 +54,18 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
         gw.keeper.start()
         if settings.semantic_cache:
             gw.reuse.cache = await asyncio.to_thread(open_semantic_cache, settings)
+        recorders: list[IntervalRecorder] = []
         if own_backends:
             await _start_local_models(backends)
+            recorders = _record_intervals(db, backends, settings.interval_flush_s)
         try:
             yield
         finally:
             left = await in_flight.drain(settings.drain_s)
             if left:
                 log.warning("stopping with %d requests still in flight after %.0f s", left, settings.drain_s)
+            for recorder in recorders:
+                recorder.close()
             if own_backends:
                 for backend in backends.values():
                     if isinstance(backend, LocalEngineBackend):
@@ -83,6 +90,16 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     if not behind_serve:
         app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _record_intervals(db: Engine, backends: dict[str, ModelBackend], flush_every_s: float) -> list[IntervalRecorder]:
+    """The local models' alive / busy intervals and tenants' GPU shares, as Ray Serve replicas write them."""
+    replica = f"local-{socket.gethostname()}-{os.getpid()}"
+    out = []
+    for name, backend in backends.items():
+        if isinstance(backend, LocalEngineBackend) and backend.info().state == "ready":
+            out.append(IntervalRecorder(db, name, replica, backend.busy_totals, flush_every_s=flush_every_s).start())
+    return out
 
 
 async def _start_local_models(backends: dict[str, ModelBackend]) -> None:

@@ -131,6 +131,11 @@ class LocalEngineBackend:
     def stats(self) -> dict[str, Any]:
         return self._engine.stats() if self._engine is not None else {}
 
+    def busy_totals(self) -> tuple[float, dict[str | None, float]]:
+        """The engine's busy seconds since it started, in all and per account (replica interval rows)."""
+        stats = self.stats()
+        return float(stats.get("busy_seconds", 0.0)), dict(stats.get("busy_seconds_by_account", {}))
+
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
             await self._engine.abort(request_id)

@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 
 from billing.db import make_engine
-from billing.replica_intervals import BusyTotals, IntervalRecorder
+from billing.replica_intervals import IntervalRecorder
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, LocalEngineBackend
 from gateway.serving.gpu_sampler import GpuSampler
 from gateway.serving.model_cache import prepared_source
@@ -34,7 +34,7 @@ class ModelServer:
         source = await asyncio.to_thread(prepared_source, self.spec.source)
         self.backend = LocalEngineBackend(self.spec.model_copy(update={"source": source}))
         self.db = make_engine(db_url)
-        self.recorder = IntervalRecorder(self.db, self.spec.name, self.replica, self._busy_seconds,
+        self.recorder = IntervalRecorder(self.db, self.spec.name, self.replica, self.backend.busy_totals,
                                          flush_every_s=interval_flush_s, started_at=started)
         self.recorder.start()
         self.gpu = GpuSampler.maybe_start() if self.spec.resources.num_gpus > 0 else None
@@ -43,10 +43,6 @@ class ModelServer:
         self.ready_at = time.time()
         self.load_s = self.ready_at - started
         log.info("replica %s of %s ready in %.2f s", self.replica, self.spec.name, self.load_s)
-
-    def _busy_seconds(self) -> BusyTotals:
-        stats = self.backend.stats()
-        return float(stats.get("busy_seconds", 0.0)), stats.get("busy_seconds_by_account", {})
 
     async def generate(self, request: GenerationRequest
                        ) -> AsyncIterator[ReplicaAccepted | GenerationChunk | ReplicaError]:

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from billing.db import make_engine
-from billing.models import UsageEvent
+from billing.models import GpuShare, ReplicaInterval, Tenant, UsageEvent
 from tests.gateway.live import free_port
 
 CLI = [sys.executable, "-m", "gateway.cli"]
@@ -175,6 +175,13 @@ def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
         with engine.connect() as conn:
             rows = conn.execute(select(UsageEvent.request_id, UsageEvent.status, UsageEvent.completion_tokens)
                                 .where(UsageEvent.request_id.in_(ids))).all()
+            intervals = conn.execute(select(ReplicaInterval).where(ReplicaInterval.model == "smollm2")).all()
+            shares = conn.execute(select(GpuShare)).all()
+            acme = conn.execute(select(Tenant.uid).where(Tenant.name == "acme")).scalar_one()
     finally:
         engine.dispose()
     assert sorted((s, n) for _, s, n in rows) == [("ok", STREAM_TOKENS)] * STREAMS
+    # the local model's replica time, closed at shutdown: busy time all acme's, shares adding up to it
+    assert intervals and sum(r.busy_s for r in intervals) > 0
+    assert sum(s.busy_s + s.idle_s for s in shares) == sum(r.busy_s + r.idle_s for r in intervals)
+    assert sum(s.busy_s for s in shares if s.tenant_uid == acme) == sum(r.busy_s for r in intervals)
