@@ -145,6 +145,9 @@ def cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    if not args.gpu and (args.by != "model" or args.model is not None):
+        raise ValueError(f"{'--by' if args.by != 'model' else '--model'}: only with --gpu (usage rows group with "
+                         "--group-by and filter with --tenant, --user, --tag)")
     db = open_database(settings.db_url)
     if args.gpu:
         from billing.gpu_usage import gpu_usage_by_tenant, gpu_usage_frame

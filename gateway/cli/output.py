@@ -36,4 +36,7 @@ def print_frame(frame: Any, as_json: bool, empty: str) -> None:
     elif frame.empty:
         print(empty)
     else:
-        print(frame.to_string(index=False))
+        # dollar columns with the precision they have (to the nano-dollar), not pandas' six decimals
+        money = {c: (lambda v: format(Decimal(repr(float(v))).quantize(Decimal("0.000000001")).normalize(), "f"))
+                 for c in frame.columns if str(c).endswith("_usd")}
+        print(frame.to_string(index=False, formatters=money))
