@@ -68,6 +68,7 @@ def test_counters_events_and_invoices_agree_over_100k_events(db) -> None:
         ledger.record(UsageEvent(request_id=f"r{i}", tenant_id=tenants[n].id, api_key_id=keys[n].id, model=model,
                                  endpoint="chat.completions", status="ok", prompt_tokens=prompt,
                                  completion_tokens=completion, cached_tokens=cached, cost_usd=cost, created_at=WHEN))
+    assert ledger.flush(timeout=600)  # a batch the database fails (a lock timeout, a deadlock) is retried
     ledger.close()
     assert ledger.inserted_total == EVENTS
     with Session(db) as s:
