@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import socket
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -23,16 +20,15 @@ from typing import IO, Any
 
 from billing.ledger_spill import from_jsonable, jsonable
 
-JOURNAL_GLOB = "journal-*.jsonl"
 INTERRUPTED = "the gateway serving it stopped before it finished"
 
 
 class AdmissionJournal:
     """Not thread-safe: the ledger serialises calls with its own lock."""
 
-    def __init__(self, path: Path, segment_lines: int = 1000) -> None:
+    def __init__(self, path: Path, owner: str, segment_lines: int = 1000) -> None:
         self.path = Path(path)
-        self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.owner = owner  # the process, as its spill segments name it (SpillDir.owner)
         self._segment_lines = segment_lines
         self._lock_file: IO[str] | None = None
         self._open: IO[str] | None = None
@@ -63,17 +59,15 @@ class AdmissionJournal:
             if segment is not None:
                 self._pending[segment].discard(request_id)
         for segment in [s for s, left in self._pending.items() if not left and s != self._open_path]:
-            del self._pending[segment]
-            segment.unlink(missing_ok=True)
+            self._drop_if_done(segment)
 
     def close(self) -> None:
         """The process stops: segments with requests not stored stay for the next process to replay."""
         if self._open is not None:
             self._open.close()
             self._open = None
-            if self._open_path is not None and not self._pending.get(self._open_path):
-                self._pending.pop(self._open_path, None)
-                self._open_path.unlink(missing_ok=True)
+            if self._open_path is not None:
+                self._drop_if_done(self._open_path)
         if self._lock_file is not None:
             lock_path = Path(self._lock_file.name)
             self._lock_file.close()
@@ -103,9 +97,14 @@ class AdmissionJournal:
         self._open = self._open_path.open("a", encoding="utf-8")
         self._lines = 0
         self._pending[self._open_path] = set()
-        if previous is not None and not self._pending.get(previous):
-            self._pending.pop(previous, None)
-            previous.unlink(missing_ok=True)
+        if previous is not None:
+            self._drop_if_done(previous)
+
+    def _drop_if_done(self, segment: Path) -> None:
+        """Deletes a segment none of whose requests still waits to be stored."""
+        if not self._pending.get(segment):
+            self._pending.pop(segment, None)
+            segment.unlink(missing_ok=True)
 
 
 def orphaned_journals(directory: Path, exclude: str | None = None) -> Iterator[tuple[Path, list[Path]]]:
@@ -146,16 +145,16 @@ def events_of(segments: list[Path]) -> list[dict[str, Any]]:
     out = list(ended.values())
     for request_id, begin in begun.items():
         if request_id not in ended and request_id not in refused:
-            out.append(interrupted_event(request_id, begin))
+            out.append(interrupted_event(request_id, **from_jsonable(begin)))
     return out
 
 
-def interrupted_event(request_id: str, begin: dict[str, Any]) -> dict[str, Any]:
-    created = begin.get("created_at")
-    return {"request_id": request_id,
-            "created_at": datetime.fromisoformat(created) if isinstance(created, str) else created,
-            "tenant_id": begin.get("tenant_id"), "api_key_id": begin.get("api_key_id"),
-            "end_user": begin.get("end_user"), "tags": begin.get("tags") or [], "model": begin["model"],
-            "endpoint": begin["endpoint"], "route": None, "status": "interrupted", "prompt_tokens": 0,
-            "completion_tokens": 0, "cached_tokens": 0, "cache_hit": False, "latency_s": 0.0, "ttft_s": None,
-            "cost_usd": 0, "error": INTERRUPTED}
+def interrupted_event(request_id: str, *, created_at: datetime, tenant_id: int | None, api_key_id: int | None,
+                      model: str, endpoint: str, end_user: str | None = None, tags: list[str] | None = None
+                      ) -> dict[str, Any]:
+    """The usage event of a request whose gateway stopped before it finished: no tokens, no cost (what is known).
+    A real event that arrives later replaces it (billing/ledger.py)."""
+    return {"request_id": request_id, "created_at": created_at, "tenant_id": tenant_id, "api_key_id": api_key_id,
+            "end_user": end_user, "tags": tags or [], "model": model, "endpoint": endpoint, "route": None,
+            "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+            "cache_hit": False, "latency_s": 0.0, "ttft_s": None, "cost_usd": 0, "error": INTERRUPTED}

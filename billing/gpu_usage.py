@@ -7,10 +7,11 @@ from __future__ import annotations
 from datetime import datetime
 
 import pandas as pd
-from sqlalchemy import Engine, Select, String, cast, func, select
+from sqlalchemy import Engine, Select, func, select
 
 from billing.field_checks import text_field
 from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant
+from billing.report_query import day_of, within
 
 COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
 
@@ -19,18 +20,13 @@ def _filtered(q: Select, model: str | None, since: datetime | None, until: datet
     """Only `model`'s intervals, and those starting in [since, until)."""
     if model is not None:
         q = q.where(ReplicaInterval.model == text_field("model", model))
-    if since is not None:
-        q = q.where(ReplicaInterval.start >= since)
-    if until is not None:
-        q = q.where(ReplicaInterval.start < until)
-    return q
+    return within(q, ReplicaInterval.start, since, until)
 
 
 def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime | None = None,
                     until: datetime | None = None) -> pd.DataFrame:
     """One row per (day, model); an interval counts on the day it starts (rows span one flush period)."""
-    start = ReplicaInterval.start
-    day = func.substr(cast(start, String), 1, 10).label("day")
+    day = day_of(ReplicaInterval.start).label("day")
     alive = func.sum(ReplicaInterval.busy_s + ReplicaInterval.idle_s)
     q = (
         select(day, ReplicaInterval.model.label("model"),
@@ -64,8 +60,7 @@ def gpu_usage_by_tenant(engine: Engine, *, model: str | None = None, since: date
                         until: datetime | None = None) -> pd.DataFrame:
     """One row per (day, model, tenant): the tenant's busy and idle replica hours (billing/gpu_shares.py),
     its share of the model's replica time that day and its cost at the model's gpu_hour price."""
-    start = ReplicaInterval.start
-    day = func.substr(cast(start, String), 1, 10).label("day")
+    day = day_of(ReplicaInterval.start).label("day")
     q = (
         select(day, ReplicaInterval.model.label("model"), Tenant.name.label("tenant"),
                func.sum(GpuShare.busy_s).label("busy_s"), func.sum(GpuShare.idle_s).label("idle_s"),

@@ -67,7 +67,7 @@ class Ledger:
         self._spill = SpillDir(spill_dir) if spill_dir is not None else None
         self._spill_lock = threading.Lock()
         # every admitted request on disk before its model runs (billing/admission_journal.py)
-        self._journal = AdmissionJournal(spill_dir) if spill_dir is not None else None
+        self._journal = AdmissionJournal(self._spill.path, self._spill.owner) if self._spill is not None else None
         self._journal_lock = threading.Lock()
         self._orphans_pending = self._spill is not None
         # what is recorded but not yet in the counters, so that limits see it without lag

@@ -32,6 +32,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, delete, select, update
 
+from billing.admission_journal import interrupted_event
 from billing.db import dialect_insert
 from billing.models import GatewayProcess, RateWindow, Reservation, SpendCounter, UsageEvent
 from billing.periods import minute_of, month_of, seconds_to_next_minute
@@ -222,11 +223,8 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
         if not rows:
             return 0
         _release_rows(conn, rows)
-        events = [{"request_id": row.request_id, "created_at": row.created_at, "tenant_id": row.tenant_id,
-                   "api_key_id": row.api_key_id, "tags": [], "model": row.model, "endpoint": row.endpoint,
-                   "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                   "cache_hit": False, "latency_s": 0.0, "cost_usd": 0,
-                   "error": "the gateway serving it stopped before it finished"} for row in rows]
+        events = [interrupted_event(row.request_id, created_at=row.created_at, tenant_id=row.tenant_id,
+                                    api_key_id=row.api_key_id, model=row.model, endpoint=row.endpoint) for row in rows]
         conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)
     log.warning("released %d reservations of gateways that stopped; their requests are recorded as interrupted",
                 len(rows))

@@ -29,8 +29,6 @@ class _Stream:
     queue: asyncio.Queue
 
 
-
-
 def longest_token_chars(tokenizer: Any) -> int:
     """The most characters of text one token can stand for: a prompt of C characters has at least
     C / this many tokens, a bound that costs nothing to check before tokenizing."""

@@ -205,9 +205,10 @@ class LLMEngine:
         """Each account's tokens in the step being launched: its share of the step's time (a prefill token and
         a decode token both pass every weight matrix once, so each counts 1). A step that launches nothing
         keeps the last batch's counts: its time goes to finishing that batch."""
+        requests = self.requests
         counts: Counter[str | None] = Counter()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            counts[self.requests[seq.request_id].account] += num_new
+            counts[requests[seq.request_id].account] += num_new
         self.step_tokens_by_account = counts
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:

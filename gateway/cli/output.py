@@ -6,6 +6,8 @@ import json
 from decimal import Decimal
 from typing import Any
 
+from billing.money import dollars
+
 
 def _json_value(value: Any) -> Any:
     return float(value) if isinstance(value, Decimal) else str(value)
@@ -37,6 +39,5 @@ def print_frame(frame: Any, as_json: bool, empty: str) -> None:
         print(empty)
     else:
         # dollar columns with the precision they have (to the nano-dollar), not pandas' six decimals
-        money = {c: (lambda v: format(Decimal(repr(float(v))).quantize(Decimal("0.000000001")).normalize(), "f"))
-                 for c in frame.columns if str(c).endswith("_usd")}
+        money = {c: (lambda v: _cell(dollars(float(v)))) for c in frame.columns if str(c).endswith("_usd")}
         print(frame.to_string(index=False, formatters=money))
