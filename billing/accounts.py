@@ -11,7 +11,15 @@ from decimal import Decimal
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from billing.field_checks import MAX_SQL_INT, FieldError, count_limit, optional_text_field, text_field, usd_amount
+from billing.field_checks import (
+    MAX_SQL_INT,
+    FieldError,
+    alert_share,
+    count_limit,
+    optional_text_field,
+    text_field,
+    usd_amount,
+)
 from billing.models import ApiKey, Tenant, utcnow
 
 KEY_PREFIX = "tg-"
@@ -38,15 +46,18 @@ class CreatedKey:
     tenant: str
 
 
-def create_tenant(engine: Engine, name: str, budget_usd: float | Decimal | None = None) -> Tenant:
+def create_tenant(engine: Engine, name: str, budget_usd: float | Decimal | None = None,
+                  alert_at: float | None = None) -> Tenant:
+    """`alert_at`: a soft budget, the share of budget_usd at which one alert fires a month (billing/budget_alerts.py)."""
     text_field("name", name)
     if not name.strip():
         raise AccountError("name: a tenant name must not be empty")
     usd_amount("budget_usd", budget_usd)
+    alert_share("alert_at", alert_at, budget_usd)
     with Session(engine, expire_on_commit=False) as s, s.begin():
         if s.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise AccountError(f"tenant {name!r} already exists")
-        tenant = Tenant(name=name, budget_usd=budget_usd)
+        tenant = Tenant(name=name, budget_usd=budget_usd, alert_at=alert_at)
         s.add(tenant)
     return tenant
 
@@ -82,6 +93,7 @@ def create_key(
     budget_usd: float | Decimal | None = None,
     name: str | None = None,
     project: str | None = None,
+    alert_at: float | None = None,
 ) -> CreatedKey:
     text_field("tenant", tenant)
     optional_text_field("name", name)
@@ -89,6 +101,7 @@ def create_key(
     count_limit("rpm", rpm)
     count_limit("tpm", tpm)
     usd_amount("budget_usd", budget_usd)
+    alert_share("alert_at", alert_at, budget_usd)
     key = new_key()
     prefix = key[:DISPLAY_CHARS]
     with Session(engine) as s, s.begin():
@@ -96,7 +109,7 @@ def create_key(
         if owner is None:
             raise AccountError(f"no tenant named {tenant!r}")
         row = ApiKey(tenant_id=owner.id, key_hash=hash_key(key), prefix=prefix, name=name, project=project,
-                     rpm=rpm, tpm=tpm, budget_usd=budget_usd)
+                     rpm=rpm, tpm=tpm, budget_usd=budget_usd, alert_at=alert_at)
         s.add(row)
         s.flush()
         key_id = row.id

@@ -56,3 +56,14 @@ def usd_amount(field: str, value: float | Decimal | None) -> Decimal | None:
             or (isinstance(value, Decimal) and not value.is_finite()) or not 0 <= value <= MAX_USD):
         raise FieldError(f"{field}: must be a finite amount from 0 to {MAX_USD:,}, got {value!r}")
     return dollars(value)
+
+
+def alert_share(field: str, value: float | None, budget: object) -> float | None:
+    """A soft budget: None, or a share of the budget (0 < share <= 1) at which to alert; needs a budget."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise FieldError(f"{field}: must be a share of the budget, above 0 and at most 1 (0.8: at 80%), got {value!r}")
+    if budget is None:
+        raise FieldError(f"{field}: needs a budget (--budget-usd) to be a share of")
+    return float(value)

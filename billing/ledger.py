@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,11 @@ from sqlalchemy import Engine, delete
 from sqlalchemy.exc import DataError, IntegrityError
 
 from billing.admission_journal import AdmissionJournal, events_of, orphaned_journals
+from billing.budget_alerts import SoftBudgetCrossed, claim_crossings
 from billing.db import dialect_insert
 from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
-from billing.money import ZERO, dollars
+from billing.money import ZERO, dollars, usd
 from billing.periods import minute_of, month_of
 from billing.reservations import settle_in
 
@@ -47,8 +49,9 @@ REFUSED_ROW_ERRORS = (IntegrityError, DataError)
 class Ledger:
     def __init__(self, engine: Engine, *, max_batch: int = 1000, linger_s: float = 0.05, retry_delay_s: float = 0.5,
                  max_retry_delay_s: float = 5.0, cleanup_every_s: float = 60.0, spill_dir: Path | None = None,
-                 max_buffer: int = 10_000) -> None:
+                 max_buffer: int = 10_000, on_alert: Callable[[list[SoftBudgetCrossed]], None] | None = None) -> None:
         self._engine = engine
+        self._on_alert = on_alert  # soft budgets reached (billing/budget_alerts.py), called by the writer thread
         self._max_batch = max_batch
         # how long the writer waits for more events before writing a batch; flush() and close() cut it short
         self._linger_s = linger_s
@@ -415,6 +418,7 @@ class Ledger:
             index_elements=["request_id"], set_={c: insert.excluded[c] for c in _EVENT_COLUMNS if c != "request_id"},
             where=UsageEvent.__table__.c.status == "interrupted",
         ).returning(UsageEvent.request_id)
+        crossed: list[SoftBudgetCrossed] = []
         with self._engine.begin() as conn:
             inserted = set(conn.execute(stmt, unique).scalars())
             settle_in(conn, [row["request_id"] for row in unique])
@@ -437,6 +441,7 @@ class Ledger:
                 )
                 conn.execute(up, [{"scope": s, "scope_id": i, "period": p, "spent_usd": v}
                                   for (s, i, p), v in sorted(spend.items())])
+                crossed = claim_crossings(conn, self._engine, set(spend))
             if tokens:
                 up = dialect_insert(self._engine, RateWindow)
                 up = up.on_conflict_do_update(
@@ -446,6 +451,18 @@ class Ledger:
                 conn.execute(up, [{"api_key_id": k, "minute": m, "requests": 0, "tokens": v}
                                   for (k, m), v in sorted(tokens.items())])
         self.inserted_total += len(new_rows)
+        if crossed:
+            self._alert(crossed)
+
+    def _alert(self, crossed: list[SoftBudgetCrossed]) -> None:
+        for c in crossed:
+            log.warning("soft budget reached: %s %s spent %s of %s this month (alert at %g)", c.scope, c.name,
+                        usd(c.spent_usd), usd(c.budget_usd), c.alert_at)
+        if self._on_alert is not None:
+            try:
+                self._on_alert(crossed)
+            except Exception:  # the alerts are claimed: a failing callback must not fail the batch
+                log.exception("ledger: the budget alert callback failed")
 
     def _cleanup(self) -> None:
         try:

@@ -52,6 +52,7 @@ class Tenant(Base):
     uid: Mapped[str] = mapped_column(String(32), unique=True, default=lambda: uuid.uuid4().hex)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
+    alert_at: Mapped[float | None] = mapped_column(Float)  # soft budget: alert once at this share of budget_usd
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
@@ -69,6 +70,7 @@ class ApiKey(Base):
     rpm: Mapped[int | None] = mapped_column(Integer)
     tpm: Mapped[int | None] = mapped_column(Integer)
     budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
+    alert_at: Mapped[float | None] = mapped_column(Float)  # soft budget: alert once at this share of budget_usd
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -164,6 +166,19 @@ class SpendCounter(Base):
     spent_usd: Mapped[Decimal] = mapped_column(Money(), default=0)
     # the worst cases of admitted requests not yet settled (billing/reservations.py)
     reserved_usd: Mapped[Decimal] = mapped_column(Money(), default=0, server_default="0")
+
+
+class BudgetAlert(Base):
+    """A soft budget crossed: one row per key or tenant and month, so the alert fires once across gateways."""
+
+    __tablename__ = "budget_alerts"
+
+    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant
+    scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
+    spent_usd: Mapped[Decimal] = mapped_column(Money())  # when it fired
+    budget_usd: Mapped[Decimal] = mapped_column(Money())
+    fired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class Reservation(Base):

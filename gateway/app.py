@@ -43,7 +43,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
-                 ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s)
+                 ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s,
+                 budget_alert_webhook=settings.budget_alert_webhook)
     in_flight = InFlight()
 
     @asynccontextmanager
@@ -71,6 +72,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                     if isinstance(backend, LocalEngineBackend):
                         backend.stop()
             gw.ledger.close()
+            if gw.budget_webhook is not None:
+                gw.budget_webhook.close()
             gw.keeper.stop()
             if gw.reuse.cache is not None:
                 gw.reuse.cache.close()

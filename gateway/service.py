@@ -25,6 +25,7 @@ from cache.namespace import CacheDecision
 from engine.errors import PromptTooLongError
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
+from gateway.budget_webhook import BudgetWebhook
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
 from gateway.deployed import DEFAULT_MAX_MODEL_LEN, DeployedModels
 from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
@@ -96,7 +97,8 @@ def short_timeout_engine(db: Engine, timeout_s: float) -> Engine:
 class Gateway:
     def __init__(self, db: Engine, models: DeployedModels, *, key_cache_ttl_s: float = 1.0,
                  ledger_max_batch: int = 1000, reuse: AnswerReuse | None = None, ledger_spill_dir: Path | None = None,
-                 ledger_max_buffer: int = 10_000, admission_db_timeout_s: float | None = None) -> None:
+                 ledger_max_buffer: int = 10_000, admission_db_timeout_s: float | None = None,
+                 budget_alert_webhook: str | None = None) -> None:
         self.db = db
         self.models = models  # replaced whole when deployments change (gateway/deployed.py)
         self.reuse = reuse or AnswerReuse(None)
@@ -104,7 +106,9 @@ class Gateway:
         # after admission_db_timeout_s (then fail open, see limits.py), not after the ledger's long wait
         admission_db = db if admission_db_timeout_s is None else short_timeout_engine(db, admission_db_timeout_s)
         self.keys = KeyStore(admission_db, ttl_s=key_cache_ttl_s)
-        self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer)
+        self.budget_webhook = BudgetWebhook(budget_alert_webhook) if budget_alert_webhook else None
+        self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer,
+                             on_alert=self.budget_webhook)
         self.limiter = Limiter(admission_db, self.ledger)
         # this process's heartbeat: while it beats, no other gateway releases its reservations
         self.keeper = ReservationKeeper(admission_db, self.limiter.owner, also=self.limiter.retry_releases)

@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     tc = t_sub.add_parser("create", help="create a tenant")
     tc.add_argument("name")
     tc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    tc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget "
+                                                   "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST)")
     tc.set_defaults(func=cmd_tenants_create)
     tl = t_sub.add_parser("list", help="list tenants")
     tl.add_argument("--json", action="store_true")
@@ -37,6 +39,7 @@ def register(sub: Any) -> None:
     kc.add_argument("--rpm", type=int)
     kc.add_argument("--tpm", type=int)
     kc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    kc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget")
     kc.add_argument("--name")
     kc.add_argument("--project", help="a tag put on every usage event of this key")
     kc.set_defaults(func=cmd_keys_create)
@@ -102,7 +105,7 @@ def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tenants_create(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import create_tenant
 
-    tenant = create_tenant(open_database(settings.db_url), args.name, args.budget_usd)
+    tenant = create_tenant(open_database(settings.db_url), args.name, args.budget_usd, args.alert_at)
     print(f"created tenant {tenant.name} (id {tenant.id})")
     return 0
 
@@ -110,7 +113,8 @@ def cmd_tenants_create(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tenants_list(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import list_tenants
 
-    rows = [{"id": t.id, "name": t.name, "budget_usd": t.budget_usd, "created_at": t.created_at.isoformat()}
+    rows = [{"id": t.id, "name": t.name, "budget_usd": t.budget_usd, "alert_at": t.alert_at,
+             "created_at": t.created_at.isoformat()}
             for t in list_tenants(open_database(settings.db_url))]
     print_rows(rows, args.json)
     return 0
@@ -120,7 +124,7 @@ def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import create_key
 
     created = create_key(open_database(settings.db_url), args.tenant, rpm=args.rpm, tpm=args.tpm,
-                         budget_usd=args.budget_usd, name=args.name, project=args.project)
+                         budget_usd=args.budget_usd, name=args.name, project=args.project, alert_at=args.alert_at)
     print(created.key)
     print(f"key id {created.id} for tenant {created.tenant}; it is shown only once", file=sys.stderr)
     return 0

@@ -1,0 +1,59 @@
+"""Soft budgets: a key or tenant with `alert_at` (a share of its monthly budget, 0 < alert_at <= 1) raises one
+alert the first time its spend this month reaches alert_at × budget. The ledger checks the counters a batch
+touched inside the batch's transaction and claims each crossing with a `budget_alerts` row (primary key:
+scope, id, month), so that the alert fires once however many gateways share the database; the claimed
+alerts go to the ledger's `on_alert` callback (gateway/budget_webhook.py) after the transaction commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from sqlalchemy import Connection, Engine, and_, select
+
+from billing.db import dialect_insert
+from billing.models import ApiKey, BudgetAlert, SpendCounter, Tenant
+
+
+@dataclass(frozen=True)
+class SoftBudgetCrossed:
+    scope: str  # key | tenant
+    scope_id: int
+    name: str  # the tenant's name, or the key's display prefix
+    tenant: str
+    period: str  # YYYY-MM
+    spent_usd: Decimal
+    budget_usd: Decimal
+    alert_at: float
+
+    def as_json(self) -> dict[str, object]:
+        return {"type": "budget.soft_limit_reached", "scope": self.scope, "name": self.name, "tenant": self.tenant,
+                "period": self.period, "spent_usd": str(self.spent_usd), "budget_usd": str(self.budget_usd),
+                "alert_at": self.alert_at, "used_ratio": float(self.spent_usd / self.budget_usd)}
+
+
+def claim_crossings(conn: Connection, db: Engine, touched: set[tuple[str, int, str]]) -> list[SoftBudgetCrossed]:
+    """The soft budgets among `touched` (scope, id, month) whose spend now reaches alert_at × budget, each
+    claimed in this transaction; those another process claimed already are not returned."""
+    out: list[SoftBudgetCrossed] = []
+    c = SpendCounter.__table__.c
+    for scope, owner, name, tenant in (("tenant", Tenant, Tenant.name, Tenant.name),
+                                       ("key", ApiKey, ApiKey.prefix, Tenant.name)):
+        wanted = {(i, p) for s, i, p in touched if s == scope}
+        if not wanted:
+            continue
+        q = (select(owner.id, name, tenant, owner.budget_usd, owner.alert_at, c.period, c.spent_usd)
+             .join(SpendCounter, and_(c.scope == scope, c.scope_id == owner.id))
+             .where(owner.id.in_({i for i, _ in wanted}), owner.alert_at.is_not(None), owner.budget_usd > 0))
+        if owner is ApiKey:
+            q = q.join(Tenant, Tenant.id == ApiKey.tenant_id)
+        for scope_id, label, tenant_name, budget, alert_at, period, spent in conn.execute(q):
+            if (scope_id, period) not in wanted or spent < budget * Decimal(repr(alert_at)):
+                continue
+            claimed = conn.execute(dialect_insert(db, BudgetAlert).values(
+                scope=scope, scope_id=scope_id, period=period, spent_usd=spent, budget_usd=budget)
+                .on_conflict_do_nothing(index_elements=["scope", "scope_id", "period"])
+                .returning(BudgetAlert.scope)).first()
+            if claimed is not None:
+                out.append(SoftBudgetCrossed(scope, scope_id, label, tenant_name, period, spent, budget, alert_at))
+    return out
