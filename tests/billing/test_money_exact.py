@@ -40,12 +40,12 @@ def _prices(model: str) -> Prices:
         None if cached is None else dollars(cached)))
 
 
-def _exact_cost(model: str, prompt: int, completion: int, cached: int) -> Fraction:
+def _exact_cost(model: str, tokens: tuple[int, int, int]) -> Fraction:
+    """Exact dollars for (uncached prompt, cached prompt, completion) tokens at the model's decimal prices."""
     p = MODELS[model]
-    per_1m = (Fraction(str(p["input_per_1m"])) * (prompt - cached)
-              + Fraction(str(p.get("cached_input_per_1m", p["input_per_1m"]))) * cached
-              + Fraction(str(p["output_per_1m"])) * completion)
-    return per_1m / 1_000_000
+    per_1m = [Fraction(str(p["input_per_1m"])), Fraction(str(p.get("cached_input_per_1m", p["input_per_1m"]))),
+              Fraction(str(p["output_per_1m"]))]
+    return sum((n * price for n, price in zip(tokens, per_1m)), Fraction(0)) / 1_000_000
 
 
 def test_counters_events_and_invoices_agree_over_100k_events(db) -> None:
@@ -53,7 +53,9 @@ def test_counters_events_and_invoices_agree_over_100k_events(db) -> None:
     tenants = [create_tenant(db, f"t{i}") for i in range(3)]
     keys = [create_key(db, t.name) for t in tenants]
     rng = random.Random(20261202)
-    exact: dict[int, Fraction] = {t.id: Fraction(0) for t in tenants}
+    prices = {m: _prices(m) for m in MODELS}
+    # per tenant and model: uncached prompt, cached prompt and completion tokens (their exact cost comes at the end)
+    tokens: dict[tuple[int, str], list[int]] = {(t.id, m): [0, 0, 0] for t in tenants for m in MODELS}
     rounded: dict[int, Decimal] = {t.id: Decimal(0) for t in tenants}
     ledger = Ledger(db, max_batch=5000, linger_s=0.5).start()
     for i in range(EVENTS):
@@ -62,8 +64,11 @@ def test_counters_events_and_invoices_agree_over_100k_events(db) -> None:
         prompt = rng.choice([rng.randrange(1, 60), rng.randrange(1, 5000), rng.randrange(1, 120_000)])
         completion = rng.randrange(0, 2000)
         cached = rng.randrange(0, prompt + 1) if rng.random() < 0.3 else 0
-        cost = request_cost(_prices(model), prompt, completion, cached)
-        exact[tenants[n].id] += _exact_cost(model, prompt, completion, cached)
+        cost = request_cost(prices[model], prompt, completion, cached)
+        counts = tokens[(tenants[n].id, model)]
+        counts[0] += prompt - cached
+        counts[1] += cached
+        counts[2] += completion
         rounded[tenants[n].id] += cost
         ledger.record(UsageEvent(request_id=f"r{i}", tenant_id=tenants[n].id, api_key_id=keys[n].id, model=model,
                                  endpoint="chat.completions", status="ok", prompt_tokens=prompt,
@@ -71,6 +76,7 @@ def test_counters_events_and_invoices_agree_over_100k_events(db) -> None:
     assert ledger.flush(timeout=600)  # a batch the database fails (a lock timeout, a deadlock) is retried
     ledger.close()
     assert ledger.inserted_total == EVENTS
+    exact = {t.id: sum((_exact_cost(m, tuple(tokens[(t.id, m)])) for m in MODELS), Fraction(0)) for t in tenants}
     with Session(db) as s:
         counters = {c.scope_id: c.spent_usd for c in s.scalars(select(SpendCounter).where(SpendCounter.scope == "tenant"))}
         summed = dict(s.execute(select(UsageEvent.tenant_id, func.sum(UsageEvent.cost_usd))

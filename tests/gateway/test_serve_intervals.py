@@ -29,14 +29,16 @@ def test_rows_tile_the_replica_life_and_split_busy_from_idle(db) -> None:  # typ
     time.sleep(0.3)
     busy[0] = 0.6  # the engine's busy time never grows faster than the clock
     time.sleep(0.15)
-    rec.close()
+    closing = time.time()
+    rec.close()  # its last row ends when close() takes the time, before it writes (a slow write is not a gap)
     ended = time.time()
     rows = _rows(db)
     assert len(rows) >= 2
     for a, b in zip(rows, rows[1:]):
         assert a.end == b.start
+    assert rows[0].start.timestamp() == pytest.approx(started, abs=1e-6)
+    assert closing <= rows[-1].end.timestamp() <= ended
     span = rows[-1].end.timestamp() - rows[0].start.timestamp()
-    assert span == pytest.approx(ended - started, abs=0.05)
     assert sum(r.busy_s for r in rows) == Decimal("0.6")  # whole microseconds: exact
     assert float(sum(r.busy_s + r.idle_s for r in rows)) == pytest.approx(span, abs=1e-6)
 
