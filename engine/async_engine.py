@@ -1,32 +1,28 @@
-"""AsyncEngine: an LLMEngine stepped by a background thread, streamed to asyncio consumers.
+"""AsyncEngine: the serving front of an engine core, streamed to asyncio consumers.
 
-Requests and aborts reach the thread through a lock-protected inbox; outputs go back to each
-consumer's asyncio queue on its own event loop. A consumer that stops iterating (closed generator,
-cancelled task, dropped client) aborts its request, which frees its KV blocks at once."""
+The front tokenizes and checks each request in the caller (bad input raises before anything is yielded), hands it
+to the core (engine/engine_core.py: a thread of this process, or engine/core_process.py: a process of its own) and
+streams what each step adds back to the consumer's event loop: one `call_soon_threadsafe` per loop per step carries
+every request's delta, and a consumer that falls behind takes the steps it missed as one output
+(engine/output_stream.py). A consumer that stops iterating (closed generator, cancelled task, dropped client)
+aborts its request, which frees its KV blocks at once."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as SequenceOf
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
+from engine.engine_core import CoreRequest, EngineCore, ThreadCore, wants_process
 from engine.errors import EngineDeadError, PromptTooLongError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+from engine.output_stream import RequestStream
+from engine.outputs import Delta, RequestMetrics, RequestOutput
+from engine.tokenizer import encode_prompt
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -37,31 +33,53 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(t) for t in tokenizer.hf.get_vocab()), default=1) or 1
 
 
+def _put_all(items: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.put(delta)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._longest_token = longest_token_chars(engine.tokenizer)
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._inbox: list[tuple[str, Any]] = []
-        self._streams: dict[str, _Stream] = {}
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._idle_since: float | None = None  # set while the engine thread waits for work
-        self._thread = threading.Thread(target=self._run, name="tollgate-engine", daemon=True)
-        self._thread.start()
+        """Serves `engine` from a thread of this process (the in-process core)."""
+        self._setup()
+        self.core: EngineCore = ThreadCore(engine, self)
+        self._longest_token = longest_token_chars(self.core.facts.tokenizer)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(LLMEngine(config))
+        """The core runs where `config.engine_core` says (engine_core.wants_process)."""
+        if not wants_process(config):
+            return cls(LLMEngine(config))
+        from engine.core_process import ProcessCore
+
+        self = cls.__new__(cls)
+        self._setup()
+        self.core = ProcessCore(config, self)
+        self._longest_token = longest_token_chars(self.core.facts.tokenizer)
+        return self
+
+    def _setup(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._error: BaseException | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The LLMEngine, when it runs in this process."""
+        if not isinstance(self.core, ThreadCore):
+            raise AttributeError("engine: the engine core runs in a process of its own")
+        return self.core.engine
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core.facts.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.core.facts.max_model_len
+
+    def encode_prompt(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
+        return encode_prompt(self.core.facts.tokenizer, self.core.facts.vocab_size, prompt)
 
     # ---- consumer side --------------------------------------------------------------------------
 
@@ -74,120 +92,87 @@ class AsyncEngine:
         cache_salt: str | None = None,
         account: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields one RequestOutput per engine step with new text; the last has finished=True.
-        Bad input raises ValueError before anything is yielded."""
+        """Yields a RequestOutput whenever steps added output since the last one (deltas and totals); the last
+        has finished=True. Bad input raises ValueError before anything is yielded."""
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         request_id = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
         # validation runs here, in the caller, so errors surface before the first yield
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if isinstance(prompt, str) and len(prompt) // self._longest_token >= limit:
             raise PromptTooLongError(len(prompt) // self._longest_token, limit, at_least=True)
         if isinstance(prompt, str) and len(prompt) > TOKENIZE_IN_THREAD_CHARS:
-            _, token_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)
+            text, token_ids = await asyncio.to_thread(self.encode_prompt, prompt)
         else:
-            _, token_ids = self.engine.encode_prompt(prompt)
+            text, token_ids = self.encode_prompt(prompt)
         # a served request must fit whole: max_tokens beyond the context is an error, not silently capped
         if len(token_ids) >= limit:
             raise PromptTooLongError(len(token_ids), limit)
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise PromptTooLongError(len(token_ids), limit, params.max_tokens)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        finished = False
+        arrival = time.monotonic()
+        stream = RequestStream(request_id, text, token_ids, params.n, params.logprobs is not None,
+                               RequestMetrics(arrival, num_prompt_tokens=len(token_ids)), asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._inbox.append(("add", (request_id, prompt if isinstance(prompt, str) else token_ids, params, priority,
-                                        time.monotonic(), cache_salt, account)))
-            self._wakeup.notify()
+        finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    break
+            self.core.add(CoreRequest(request_id, token_ids, params, priority, arrival, cache_salt, account))
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-                if not finished:
-                    self._inbox.append(("abort", request_id))
-                    self._wakeup.notify()
+            if not finished:
+                self.core.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._inbox.append(("abort", request_id))
-            self._wakeup.notify()
+        self.core.abort(request_id)
 
     def stats(self) -> dict:
-        with self._lock:
-            snap = self.engine.stats()
-            if self._idle_since is not None:  # the idle spell going on now counts too
-                snap["idle_seconds"] += time.monotonic() - self._idle_since
-            return snap
+        return self.core.stats()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.core.shutdown(timeout)
+
+    # ---- the core's side (CoreSink): called from the core's thread ------------------------------
+
+    def deltas(self, deltas: list[Delta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Delta]]] = {}
         with self._lock:
-            self._stopped = True
-            self._wakeup.notify()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.close()
-
-    # ---- engine thread --------------------------------------------------------------------------
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
+            for delta in deltas:
+                stream = self._streams.get(delta[0])
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _drain_inbox(self) -> None:
-        inbox, self._inbox = self._inbox, []
-        for kind, payload in inbox:
-            if kind == "add":
-                request_id, prompt, params, priority, arrival, cache_salt, account = payload
-                if request_id not in self._streams:
-                    continue  # the consumer left before the request reached the engine
-                try:
-                    self.engine.add_request(request_id, prompt, params, priority, arrival, cache_salt=cache_salt,
-                                            account=account)
-                except ValueError as exc:
-                    self._deliver(request_id, exc)
-            else:
-                out = self.engine.abort_request(payload)
-                if out is not None:
-                    self._deliver(payload, out)
+    def refused(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            self._fail(stream, error)
 
-    def _run(self) -> None:
-        metrics = self.engine.metrics
+    def died(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+            streams = list(self._streams.values())
+        for stream in streams:
+            self._fail(stream, EngineDeadError(f"engine stopped: {error!r}"))
+
+    @staticmethod
+    def _fail(stream: RequestStream, error: BaseException) -> None:
         try:
-            while True:
-                idle_from = time.monotonic()
-                with self._lock:
-                    self._idle_since = idle_from
-                    while not self._stopped and not self._inbox and not self.engine.has_unfinished_requests():
-                        self._wakeup.wait()
-                    self._idle_since = None
-                    metrics.idle_seconds += time.monotonic() - idle_from
-                    if self._stopped:
-                        return
-                    self._drain_inbox()
-                busy_from = time.monotonic()
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                with self._lock:
-                    metrics.add_busy(time.monotonic() - busy_from, self.engine.step_tokens_by_account)
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
-        except BaseException as exc:  # noqa: BLE001 - every waiting consumer must hear about it
-            log.exception("engine loop failed")
-            with self._lock:
-                self._error = exc
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineDeadError(f"engine stopped: {exc!r}"))
+            stream.loop.call_soon_threadsafe(stream.fail, error)
+        except RuntimeError:
+            pass

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 _QUANTIZATIONS = (None, "int8", "int4", "fp8")
+_ENGINE_CORES = ("auto", "thread", "process")
 # prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
 # the event loop (the short ones, nearly all, skip the thread hop)
 TOKENIZE_IN_THREAD_CHARS = 20_000
@@ -55,6 +56,12 @@ class EngineConfig:
     tp_fused_norm: bool = True
     # int4 weights: batch-1 decode on CUDA rounds each linear's input to int8 for a DP4A GEMV; False keeps bf16.
     int4_int8_activations: bool = True
+    # Where AsyncEngine (serving) runs the engine: "process" (its own, fed over a socket; vLLM v1's EngineCore),
+    # "thread" (one in the serving process), "auto" (process on CUDA, thread on CPU). LLM (offline) ignores it.
+    engine_core: str = "auto"
+    # Serving: a request's streamed tokens are handed over once this many have gathered (its first token and its
+    # end at once), as vLLM's --stream-interval; more than 1 spares a large batch's steps host time.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         """Every bad field at once: a ValueError with one `field: problem` line each."""
@@ -79,6 +86,7 @@ class EngineConfig:
         positive_int("max_num_seqs")
         positive_int("max_num_batched_tokens")
         positive_int("num_kv_blocks", optional=True)
+        positive_int("stream_interval")
         check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -86,6 +94,8 @@ class EngineConfig:
               f"must be positive, got {self.cpu_kv_cache_gib!r}")
         check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
               f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check(self.engine_core in _ENGINE_CORES, "engine_core",
+              f"must be one of {_ENGINE_CORES}, got {self.engine_core!r}")
         check(self.quantization in _QUANTIZATIONS, "quantization",
               f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",

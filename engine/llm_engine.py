@@ -21,10 +21,11 @@ from engine.distributed.workers import TensorParallelWorkers
 from engine.metrics import EngineMetrics
 from engine.model_builder import build_model
 from engine.output_processor import OutputProcessor, RequestState
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.runner import LaunchedStep
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SampledToken, Sequence
+from engine.tokenizer import encode_prompt
 from engine.spec_decode.speculator import make_speculator
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.metrics = EngineMetrics()
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.metrics)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.metrics,
+                                                config.stream_interval)
         self.overlap = config.async_scheduling and self.speculator is None
         self.in_flight: DeferredTokens | None = None  # the last step's tokens, sampled but not read yet
         self.step_tokens_by_account: Counter[str | None] = Counter()  # of the last step that launched a batch
@@ -91,23 +93,7 @@ class LLMEngine:
         return self.output_processor.requests
 
     def encode_prompt(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            bos = self.tokenizer.bos_token_id
-            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-                ids = ids[1:]  # the text (e.g. a rendered chat template) already began with BOS
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        return None, ids
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def add_request(
         self,
@@ -149,7 +135,8 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, as_delta: bool = False) -> RequestOutput | Delta | None:
+        """Stops the request and frees its blocks; its last output (a Delta with as_delta), None if unknown."""
         state = self.output_processor.pop_request(request_id)
         if state is None:
             return None
@@ -161,7 +148,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
         state.metrics.finished_time = time.monotonic()
-        return self.output_processor.output(state)
+        return self.output_processor.delta(state) if as_delta else self.output_processor.output(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -171,14 +158,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, process the outputs; returns the requests with new output. With async scheduling the step
         is launched before the tokens of the step before it are read, and its own are read by the next step."""
+        deferred = self._advance()
+        outputs = self.output_processor.outputs()  # before the in-flight step's placeholders are appended
+        self._finish_step(deferred)
+        return outputs
+
+    def step_deltas(self) -> list[Delta]:
+        """A step as step() runs it; returns what each request with new tokens added (the serving path)."""
+        deferred = self._advance()
+        deltas = self.output_processor.deltas()
+        self._finish_step(deferred)
+        return deltas
+
+    def _advance(self) -> DeferredTokens | None:
+        """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
         batch = self._schedule()
         previous = self.in_flight
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
             self._add_tokens(previous.read())
-        deferred = self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
-        return self._finish_step(deferred)
+        return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
 
     def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
@@ -245,14 +245,12 @@ class LLMEngine:
             self.kv.cache_computed_blocks(seq)  # kept drafts counted computed before they were appended
             self.scheduler.finish(seq)
 
-    def _finish_step(self, deferred: DeferredTokens | None) -> list[RequestOutput]:
-        outputs = self.output_processor.outputs()
+    def _finish_step(self, deferred: DeferredTokens | None) -> None:
         if deferred is not None:
             deferred.mark_pending()
             self.in_flight = deferred
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
-        return outputs
 
     def _drop_rejected_drafts(self, seq: Sequence, num_kept: int) -> None:
         """After a verification: the KV of rejected draft tokens no longer counts and their blocks go back;

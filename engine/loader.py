@@ -70,11 +70,20 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
         from engine.gguf_loader import load_gguf
 
         config, weights = load_gguf(resolved, device, dtype)
-    if tokenizer_path is None and not resolved.startswith(_RANDOM_PREFIX):
-        tokenizer_path = resolved
-    tokenizer = Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
+    tokenizer = _tokenizer(resolved, tokenizer_path)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved,
                        quantization=quantization)
+
+
+def load_tokenizer(source: str, tokenizer_source: str | None = None) -> Tokenizer | None:
+    """The tokenizer load_model would give the model, without its weights (a serving front tokenizes itself)."""
+    return _tokenizer(resolve_model_source(source), resolve_model_source(tokenizer_source) if tokenizer_source else None)
+
+
+def _tokenizer(resolved: str, tokenizer_path: str | None) -> Tokenizer | None:
+    if tokenizer_path is None and not resolved.startswith(_RANDOM_PREFIX):
+        tokenizer_path = resolved
+    return Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
 
 
 def read_model_config(source: str) -> ModelConfig:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from engine.config import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.metrics import EngineMetrics
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionDelta, CompletionOutput, Delta, RequestMetrics, RequestOutput, metrics_tuple
 from engine.sequence import SampledToken, Sequence
 from engine.tokenizer import Tokenizer
 
@@ -28,16 +28,23 @@ class RequestState:
     metrics: RequestMetrics
     stream: bool
     account: str | None = None  # whose GPU time the request's steps are (EngineMetrics.busy_seconds_by_account)
+    # what its deltas have carried so far: metrics go out with the first delta, the first token's and the last
+    delta_sent: bool = False
+    first_token_sent: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(seq.finished for seq in self.seqs)
+        seqs = self.seqs
+        return seqs[0].finished if len(seqs) == 1 else all(seq.finished for seq in seqs)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int,
-                 metrics: EngineMetrics) -> None:
+                 metrics: EngineMetrics, stream_interval: int = 1) -> None:
+        """`stream_interval`: deltas() hands over a request's tokens once this many have gathered (its first token and
+        its end at once): fewer, larger deltas cost the step less host time."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -74,19 +81,32 @@ class OutputProcessor:
     def outputs(self) -> list[RequestOutput]:
         """The outputs of the requests with tokens since the last call (of finished requests, and of streamed ones
         at every step); finished requests are forgotten."""
-        outputs = []
+        return [self.output(state) for state in self.take_touched() if state.stream or state.finished]
+
+    def deltas(self) -> list[Delta]:
+        """What each request with tokens since the last call added (the serving path; engine/outputs.py's Delta): no
+        totals are copied, so a step costs the same at its thousandth token as at its first."""
+        out = []
+        interval = self.stream_interval
+        for state in self.take_touched():
+            if interval > 1 and state.first_token_sent and not state.finished and max(
+                    seq.num_tokens - seq.num_prompt_tokens - seq.num_emitted_tokens for seq in state.seqs) < interval:
+                self._touched[state.request_id] = state  # gathers until the interval is full
+                continue
+            out.append(self.delta(state))
+        return out
+
+    def take_touched(self) -> list[RequestState]:
+        """The requests with tokens since the last call; the finished ones among them are forgotten."""
         now = time.monotonic()
         touched, self._touched = self._touched, {}
         for state in touched.values():
-            finished = state.finished
-            if finished:
+            if state.finished:
                 del self.requests[state.request_id]
                 state.metrics.finished_time = now
                 self.metrics.record_request(state.metrics.arrival_time, state.metrics.first_token_time, now,
                                             max(seq.num_output_tokens for seq in state.seqs))
-            if state.stream or finished:
-                outputs.append(self.output(state))
-        return outputs
+        return list(touched.values())
 
     def _append_token(self, item: SampledToken) -> bool:
         """Appends the token; True when the sequence stops with it (its finish_reason is set then)."""
@@ -125,24 +145,12 @@ class OutputProcessor:
         """The request's output now: totals, and the deltas since the last output made."""
         completions = []
         for seq in state.seqs:
-            if seq.finished or not seq.params.stop:
-                visible = len(seq.text)
-            else:
-                visible = max(seq.num_emitted_chars, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
-            out_ids = seq.output_token_ids
-            delta_ids = out_ids[seq.num_emitted_tokens :]
-            delta_text = seq.text[seq.num_emitted_chars : visible]
-            delta_lp = None
-            if seq.logprobs is not None:
-                delta_lp = seq.logprobs[seq.num_emitted_logprobs :]
-                seq.num_emitted_logprobs = len(seq.logprobs)
-            seq.num_emitted_tokens = len(out_ids)
-            seq.num_emitted_chars = visible
+            _, delta_text, delta_ids, delta_lp, _, _ = _emit(seq)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.text[:visible],
-                    token_ids=out_ids,
+                    text=seq.text[:seq.num_emitted_chars],
+                    token_ids=seq.output_token_ids,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
@@ -159,6 +167,38 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.metrics,
         )
+
+    @staticmethod
+    def delta(state: RequestState) -> Delta:
+        """What the request added since its last output or delta."""
+        metrics = None
+        m = state.metrics
+        finished = state.finished
+        if finished or not state.first_token_sent and (m.first_token_time is not None or not state.delta_sent):
+            metrics = metrics_tuple(m)
+            state.delta_sent, state.first_token_sent = True, m.first_token_time is not None
+        return state.request_id, finished, [_emit(seq) for seq in state.seqs], metrics
+
+
+def _emit(seq: Sequence) -> CompletionDelta:
+    """The sequence's tokens and text since the last emission, marked emitted. Text that may still turn out to
+    begin a stop string is held back until it cannot."""
+    text, stop = seq.text, seq.params.stop
+    if stop and not seq.finished:
+        visible = max(seq.num_emitted_chars, len(text) - max(len(s) for s in stop) + 1)
+    else:
+        visible = len(text)
+    ids = seq.token_ids
+    start = seq.num_prompt_tokens + seq.num_emitted_tokens
+    delta_ids = ids[start:]
+    delta_text = text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
+    delta_lp = None
+    if seq.logprobs is not None:
+        delta_lp = seq.logprobs[seq.num_emitted_logprobs:]
+        seq.num_emitted_logprobs = len(seq.logprobs)
+    seq.num_emitted_tokens += len(delta_ids)
+    seq.num_emitted_chars = visible
+    return seq.index, delta_text, delta_ids, delta_lp, seq.finish_reason, seq.stop_reason
 
 
 def _check_stop_strings(seq: Sequence, num_new_chars: int) -> tuple[str | None, str | None]:

@@ -55,3 +55,18 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+
+
+# The serving path's unit: what one request added in one step, as plain tuples. It crosses a process boundary every
+# step (engine/core_process.py), and builtins pickle several times faster than dataclasses.
+#   Delta = (request_id, finished, completions, metrics)
+#   completions: one (index, text, token_ids, logprobs, finish_reason, stop_reason) per sequence, each the part added
+#   since the request's previous delta (logprobs None unless asked for)
+#   metrics: the request's RequestMetrics as a tuple of its fields, or None when unchanged since its previous delta
+CompletionDelta = tuple[int, str, list[int], "list[TokenLogprob] | None", "str | None", "str | int | None"]
+Delta = tuple[str, bool, list[CompletionDelta], "tuple | None"]
+
+
+def metrics_tuple(m: RequestMetrics) -> tuple:
+    return (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_prompt_tokens,
+            m.num_cached_tokens, m.num_computed_prompt_tokens, m.num_preemptions)

