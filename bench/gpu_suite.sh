@@ -33,6 +33,10 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 }
 
 WORKLOAD=(--min-input 100 --max-input 1024 --min-output 100 --max-output 1024 --seed 0)
+# the serving benchmark runs the gateway: its web stack comes from the wheels a run carries (bench/device_env.sh)
+if ! "$PY" -c "import fastapi, sqlalchemy" 2>/dev/null && [[ -d .whl ]]; then
+  bash bench/device_env.sh install && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
 step gpu_tests 270 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
@@ -44,6 +48,9 @@ step throughput_1b 100 "$PY" -m bench.throughput --model random:llama-1b --devic
   --max-model-len 4096 --json "$RESULTS/throughput_1b.json"
 step throughput_1b_vs_hf 150 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 64 \
   "${WORKLOAD[@]}" --max-model-len 4096 --compare-hf --json "$RESULTS/throughput_1b_vs_hf.json"
+# serving: the same requests offline, through AsyncEngine and through the HTTP gateway (issue 34)
+step serve_1b 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --dataset nano --num-prompts 256 \
+  --request-rate inf,0.7x --client-procs 6 --json "$RESULTS/serve_1b.json" --chart "$RESULTS/serve_1b.svg"
 step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --device cuda \
   --json "$RESULTS/engine_start_8b.json"
 step overlap_8b 60 "$PY" -m bench.overlap_profile --model random:llama-8b --device cuda --json "$RESULTS/overlap_8b.json"
@@ -87,7 +94,7 @@ def walk(prefix, value):
         for k, v in value.items():
             walk(f"{prefix}.{k}" if prefix else k, v)
 walk("", r)
-keys = ("tok_s", "hf_tok_s", "ratio", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
+keys = ("tok_s", "hf_tok_s", "ratio", "ratio_to_offline", "decode_tok_s", "mbu", "total_seconds", "load_seconds",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio", "gemm_speedup",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
         "nccl_graph_us", "wall_ms_per_step", "kernel_ms_per_step",

@@ -56,6 +56,7 @@ class GenerationChunk:
     completion_tokens: int  # all choices, so far
     finished: bool
     ttft_s: float | None = None
+    queue_s: float | None = None  # from reaching the engine to its first scheduled step
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,11 @@ class LocalEngineBackend:
                     finish_reported.add(o.index)
         m = out.metrics
         prompt_tokens = len(out.prompt_token_ids)
-        ttft = None
+        ttft = queue = None
         if m.first_token_time is not None:
             ttft = max(0.0, m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            queue = max(0.0, m.first_scheduled_time - m.arrival_time)
         return GenerationChunk(
             request_id=out.request_id,
             choices=choices,
@@ -182,6 +185,7 @@ class LocalEngineBackend:
             completion_tokens=sum(len(o.token_ids) for o in out.outputs),
             finished=out.finished,
             ttft_s=ttft,
+            queue_s=queue,
         )
 
     def _token_info(self, lp: TokenLogprob) -> TokenInfo:

@@ -24,33 +24,59 @@ GpuMemory = Callable[[], list[tuple[str, int, int]]]  # (gpu index, used bytes, 
 
 
 class _EngineStats(Collector):
-    """Every numeric engine stat as tollgate_engine_<name>{model}, plus stable derived series."""
+    """The engines' own series, named as vLLM names its `vllm:` ones where they mean the same (num_requests_running,
+    kv_cache_usage_perc, prefix_cache_queries/hits, num_preemptions, prompt/generation tokens), plus every numeric
+    engine stat as tollgate_engine_<name>{model}."""
 
     def __init__(self, source: EngineStats) -> None:
         self._source = source
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily] = {}
-        kv = GaugeMetricFamily("tollgate_model_kv_cache_usage_ratio", "KV-cache blocks in use / total", labels=["model"])
-        busy = CounterMetricFamily("tollgate_model_busy_seconds", "Engine time with work", labels=["model"])
-        idle = CounterMetricFamily("tollgate_model_idle_seconds", "Engine time without work", labels=["model"])
-        active = GaugeMetricFamily("tollgate_model_engine_busy", "1 while the engine has requests, else 0",
-                                   labels=["model"])
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["model"])
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=["model"])
+
+        running = gauge("tollgate_num_requests_running", "Requests in the engine's running batch")
+        waiting = gauge("tollgate_num_requests_waiting", "Requests queued for the engine")
+        kv = gauge("tollgate_kv_cache_usage_perc", "KV-cache blocks in use / total (1 = full)")
+        queries = counter("tollgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        hits = counter("tollgate_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        preemptions = counter("tollgate_num_preemptions", "Sequences preempted (recomputed later)")
+        prompt = counter("tollgate_prompt_tokens", "Prompt tokens the engine computed or found cached")
+        generation = counter("tollgate_generation_tokens", "Tokens the engine generated")
+        busy = counter("tollgate_model_busy_seconds", "Engine time with work")
+        idle = counter("tollgate_model_idle_seconds", "Engine time without work")
+        active = gauge("tollgate_model_engine_busy", "1 while the engine has requests, else 0")
         for model, stats in self._source().items():
             for name, value in stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     fam = families.setdefault(name, GaugeMetricFamily(f"tollgate_engine_{name}",
                                                                       f"engine stat {name}", labels=["model"]))
                     fam.add_metric([model], float(value))
+            if "num_running" in stats:
+                running.add_metric([model], float(stats["num_running"]))
+                waiting.add_metric([model], float(stats.get("num_waiting", 0)))
+                active.add_metric([model], 1.0 if stats["num_running"] or stats.get("num_waiting") else 0.0)
             if "kv_cache_usage" in stats:
                 kv.add_metric([model], float(stats["kv_cache_usage"]))
+            if "prompt_tokens_cached" in stats and "prompt_tokens_computed" in stats:
+                cached, computed = float(stats["prompt_tokens_cached"]), float(stats["prompt_tokens_computed"])
+                queries.add_metric([model], cached + computed)
+                hits.add_metric([model], cached)
+                prompt.add_metric([model], cached + computed)
+            if "num_preemptions" in stats:
+                preemptions.add_metric([model], float(stats["num_preemptions"]))
+            if "generation_tokens" in stats:
+                generation.add_metric([model], float(stats["generation_tokens"]))
             if "busy_seconds" in stats and "idle_seconds" in stats:
                 busy.add_metric([model], float(stats["busy_seconds"]))
                 idle.add_metric([model], float(stats["idle_seconds"]))
-            if "num_running" in stats:
-                active.add_metric([model], 1.0 if stats["num_running"] or stats.get("num_waiting") else 0.0)
         yield from families.values()
-        yield from (kv, busy, idle, active)
+        yield from (running, waiting, kv, queries, hits, preemptions, prompt, generation, busy, idle, active)
 
 
 class _GpuMemory(Collector):
@@ -173,12 +199,18 @@ class Metrics:
                                 ["status", "code"], registry=r)
         self.tokens = Counter("tollgate_tokens", "Tokens processed", ["model", "kind"], registry=r)
         self.cost = Counter("tollgate_cost_usd", "Cost charged", ["model"], registry=r)
-        self.latency = Histogram("tollgate_request_latency_seconds", "Request latency", ["model"],
+        self.latency = Histogram("tollgate_e2e_request_latency_seconds", "Request latency, end to end", ["model"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("tollgate_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tollgate_time_per_output_token_seconds", "Time per output token after the first",
                               ["model"], buckets=_TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("tollgate_inter_token_latency_seconds",
+                             "Time between streamed tokens (a chunk of k tokens after a gap g counts k times g/k)",
+                             ["model"], buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_time = Histogram("tollgate_request_queue_time_seconds",
+                                    "Time from reaching the engine to its first scheduled step", ["model"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.cache_hits = Counter("tollgate_cache_hits", "Requests answered from the semantic cache", ["model"],
                                   registry=r)
         self.cache_saved = Counter("tollgate_cache_saved_usd", "List price of the answers the cache gave",

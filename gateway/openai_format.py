@@ -25,6 +25,28 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
+_FINISH_JSON = {None: b"null", "length": b'"length"', "stop": b'"stop"'}
+
+
+class _DeltaBytes:
+    """A streamed request's delta events as bytes, built around its text from a prefix made once per request: the
+    same bytes `sse(fmt.delta(...))` makes, at a fraction of the cost (an event per token, thousands a second)."""
+
+    def __init__(self, obj: str, rid: str, created: int, model: str, text_key: bytes) -> None:
+        self.key = (rid, created, model)
+        self.prefix = (b'data: {"id":' + json.dumps(rid).encode() + b',"object":"' + obj.encode() + b'","created":'
+                       + str(created).encode() + b',"model":' + json.dumps(model).encode() + b',"choices":[{"index":')
+        self.text_key = text_key
+
+    def event(self, c: ChoiceDelta, text_json: bytes | None) -> bytes:
+        return b"".join((self.prefix, str(c.index).encode(), self.text_key,
+                         text_json if text_json is not None else b"", self.suffix(c)))
+
+    @staticmethod
+    def suffix(c: ChoiceDelta) -> bytes:
+        return b',"logprobs":null,"finish_reason":' + _FINISH_JSON[_finish(c.finish_reason)] + b"}]}\n\n"
+
+
 @dataclass
 class ChoiceText:
     """One choice of a whole (non-streamed) response, accumulated from the chunks."""
@@ -41,6 +63,7 @@ class ChatFormat:
 
     def __init__(self, want_logprobs: bool) -> None:
         self.want_logprobs = want_logprobs
+        self._bytes: _DeltaBytes | None = None
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
         return [self._chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None, None)
@@ -50,6 +73,16 @@ class ChatFormat:
         lp = self._logprobs(c.logprobs) if self.want_logprobs and c.logprobs is not None else None
         body = {"content": c.text} if c.text or c.finish_reason is None else {}
         return self._chunk(rid, created, model, c.index, body, _finish(c.finish_reason), lp)
+
+    def delta_event(self, rid: str, created: int, model: str, c: ChoiceDelta) -> bytes:
+        """`sse(self.delta(...))`, faster."""
+        if self.want_logprobs and c.logprobs is not None:
+            return sse(self.delta(rid, created, model, c))
+        if self._bytes is None or self._bytes.key != (rid, created, model):
+            self._bytes = _DeltaBytes("chat.completion.chunk", rid, created, model, b',"delta":')
+        if c.text or c.finish_reason is None:
+            return self._bytes.event(c, b'{"content":' + json.dumps(c.text).encode() + b"}")
+        return self._bytes.event(c, b"{}")
 
     def usage_chunk(self, rid: str, created: int, model: str, u: dict[str, Any]) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
@@ -87,6 +120,7 @@ class CompletionFormat:
 
     def __init__(self, want_logprobs: bool) -> None:
         self.want_logprobs = want_logprobs
+        self._bytes: _DeltaBytes | None = None
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
         return []
@@ -96,6 +130,14 @@ class CompletionFormat:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": lp,
                              "finish_reason": _finish(c.finish_reason)}]}
+
+    def delta_event(self, rid: str, created: int, model: str, c: ChoiceDelta) -> bytes:
+        """`sse(self.delta(...))`, faster."""
+        if self.want_logprobs and c.logprobs is not None:
+            return sse(self.delta(rid, created, model, c))
+        if self._bytes is None or self._bytes.key != (rid, created, model):
+            self._bytes = _DeltaBytes("text_completion", rid, created, model, b',"text":')
+        return self._bytes.event(c, json.dumps(c.text).encode())
 
     def usage_chunk(self, rid: str, created: int, model: str, u: dict[str, Any]) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],

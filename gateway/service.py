@@ -57,6 +57,7 @@ class Call:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
+    queue_s: float | None = None
     route: str | None = None  # the router's task, when the client asked for model "auto"
     cache_hit: bool = False
     # set when the answer may be stored in the semantic cache once it completes
@@ -70,6 +71,8 @@ class Call:
         self.completion_tokens = chunk.completion_tokens
         if self.ttft_s is None and chunk.ttft_s is not None:
             self.ttft_s = chunk.ttft_s
+        if self.queue_s is None and chunk.queue_s is not None:
+            self.queue_s = chunk.queue_s
         if self.cache_decision is not None:
             for c in chunk.choices:
                 if c.index == 0:
@@ -233,13 +236,24 @@ class Gateway:
         fmt, rid, created, model = call.fmt, call.request_id, call.created, call.model
         status, error = "cancelled", None
         try:
-            for obj in fmt.opening(rid, created, model, n):
-                yield sse(obj)
+            opening = b"".join(sse(obj) for obj in fmt.opening(rid, created, model, n))
             chunk = first
+            itl = self.metrics.itl.labels(model)
+            last_sent: float | None = None
             while True:
-                for c in chunk.choices:
-                    yield sse(fmt.delta(rid, created, model, c))
+                events = b"".join(fmt.delta_event(rid, created, model, c) for c in chunk.choices)
+                if opening:  # the role chunk goes out with the first tokens: one write, not two
+                    events, opening = opening + events, b""
+                if events:
+                    yield events
                 call.absorb(chunk)  # counted once the client has been handed the tokens
+                tokens = sum(c.num_tokens for c in chunk.choices)
+                if tokens:
+                    now = time.perf_counter()
+                    if last_sent is not None:
+                        for _ in range(tokens):
+                            itl.observe((now - last_sent) / tokens)
+                    last_sent = now
                 if chunk.finished:
                     break
                 chunk = await stream.__anext__()
@@ -298,6 +312,8 @@ class Gateway:
         m.latency.labels(call.model).observe(latency)
         if call.ttft_s is not None:
             m.ttft.labels(call.model).observe(call.ttft_s)
+        if call.queue_s is not None:
+            m.queue_time.labels(call.model).observe(call.queue_s)
 
     def rejected(self, err: APIError) -> None:
         self.metrics.rejected.labels(str(err.status), err.code or "").inc()

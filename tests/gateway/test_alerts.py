@@ -115,6 +115,6 @@ def test_spend_labels_are_bounded_and_cache_hits_tpot_engine_gauges():
     assert got["tollgate_cache_saved_usd_total"][0].value == 0.5
     assert got["tollgate_time_per_output_token_seconds_count"][0].value == 1
     assert got["tollgate_time_per_output_token_seconds_sum"][0].value == pytest.approx(0.1)
-    assert got["tollgate_model_kv_cache_usage_ratio"][0].value == 0.25
+    assert got["tollgate_kv_cache_usage_perc"][0].value == 0.25
     assert got["tollgate_model_busy_seconds_total"][0].value == 3.0
     assert got["tollgate_model_engine_busy"][0].value == 0.0

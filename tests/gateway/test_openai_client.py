@@ -99,3 +99,32 @@ def test_models_health_metrics(client, server):
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}).text
     assert 'tollgate_requests_total{endpoint="chat.completions",model="smollm2-135m",status="ok"}' in text
     assert "tollgate_engine_kv_blocks_free" in text
+
+
+def test_metrics_carry_vllm_serving_series(client, server):
+    """The series vLLM's dashboards read, named as close to its `vllm:` ones as fit: they move with traffic."""
+    def scrape() -> dict[str, float]:
+        admin = server.app.state.admin_key
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("tollgate_") and f'model="{MODEL}"' in line and "le=" not in line:
+                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                values[name] = values.get(name, 0.0) + value
+        return values
+
+    before = scrape()
+    prompt = "Count from one to twenty in words, then back down to one, slowly and clearly. " * 3  # > 2 KV blocks
+    for _ in range(2):  # the second reuses the first's prefix-cache blocks
+        list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+    after = scrape()
+    for name in ("tollgate_num_requests_running", "tollgate_num_requests_waiting", "tollgate_kv_cache_usage_perc"):
+        assert name in after
+    assert after["tollgate_time_to_first_token_seconds_count"] == before["tollgate_time_to_first_token_seconds_count"] + 2
+    assert after["tollgate_e2e_request_latency_seconds_count"] >= before["tollgate_e2e_request_latency_seconds_count"] + 2
+    assert after["tollgate_request_queue_time_seconds_count"] >= before["tollgate_request_queue_time_seconds_count"] + 2
+    assert after["tollgate_inter_token_latency_seconds_count"] >= before.get(
+        "tollgate_inter_token_latency_seconds_count", 0) + 2 * 7
+    assert after["tollgate_generation_tokens_total"] >= before["tollgate_generation_tokens_total"] + 16
+    assert after["tollgate_prefix_cache_queries_total"] > before["tollgate_prefix_cache_queries_total"]
+    assert after["tollgate_prefix_cache_hits_total"] > before["tollgate_prefix_cache_hits_total"]

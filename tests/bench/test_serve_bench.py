@@ -1,0 +1,51 @@
+"""bench/serve.py on CPU with random:llama-tiny: the three targets on the same requests, the ledger reconciled with
+what the HTTP clients received, and the arrival schedule (the GPU runs are bench/gpu_suite.sh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import serve
+from bench.serve_report import RequestResult, percentile, summarize
+from bench.serve_workload import arrival_offsets, nano_requests
+
+
+def test_the_three_targets_serve_the_same_requests_and_the_ledger_reconciles(tmp_path) -> None:
+    out, chart = tmp_path / "serve.json", tmp_path / "serve.svg"
+    serve.main(["--model", "random:llama-tiny", "--device", "cpu", "--dataset", "random", "--num-prompts", "6",
+                "--random-input", "24", "--random-output", "8", "--random-range-ratio", "0.5", "--request-rate",
+                "inf,0.5x", "--warmup", "2", "--client-procs", "1", "--max-num-seqs", "8", "--max-model-len", "128",
+                "--offline-repeats", "1", "--port", "18653", "--json", str(out), "--chart", str(chart)])
+    report = json.loads(out.read_text())
+    asked = report["output_tokens_asked"]
+    assert report["offline"]["output_tokens"] == asked
+    runs = {(r["target"], r["rate"]): r for r in report["runs"]}
+    assert {t for t, _ in runs} == {"async", "http"} and len(runs) == 4
+    for run in runs.values():
+        assert run["completed"] == 6 and run["failed"] == 0 and run["short"] == 0
+        assert run["output_tokens"] == asked and run["ratio_to_offline"] > 0
+        assert run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p99"] >= run["e2e_ms"]["p50"]
+    # every request the HTTP clients completed (warm-up included) left exactly one usage event with their tokens
+    assert report["ledger"] == {"events": 14, "client_completed": 14, "matched": 14, "exact": True}
+    assert chart.read_text().startswith("<svg")
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_asked_rate() -> None:
+    offsets = arrival_offsets(4000, 20.0, seed=3)
+    assert offsets == arrival_offsets(4000, 20.0, seed=3) and offsets[0] == 0.0
+    assert offsets == sorted(offsets)
+    assert 4000 / offsets[-1] == pytest.approx(20.0, rel=0.05)
+    assert arrival_offsets(5, float("inf"), seed=3) == [0.0] * 5
+    assert sum(r.output_len for r in nano_requests(256, 0)) == 133_966  # nano-vllm's workload
+
+
+def test_figures_follow_vllm_bench_serve() -> None:
+    results = [RequestResult(True, output_tokens=11, expected_tokens=11, ttft=0.1, e2e=1.1, itls=[0.1] * 10),
+               RequestResult(True, output_tokens=5, expected_tokens=5, ttft=0.3, e2e=0.7, itls=[0.1] * 4),
+               RequestResult(False, error="HTTP 429")]
+    s = summarize(results, 2.0, slo_ttft_ms=200, slo_tpot_ms=None)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["output_tok_s"] == 8.0
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0) and s["goodput_req_s"] == 0.5
+    assert percentile([1, 2, 3, 4], 50) in (2, 3) and percentile([], 99) is None
