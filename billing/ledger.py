@@ -30,10 +30,11 @@ from billing.admission_journal import AdmissionJournal, events_of, orphaned_jour
 from billing.budget_alerts import SoftBudgetCrossed, claim_crossings
 from billing.db import dialect_insert
 from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
-from billing.models import RateWindow, SpendCounter, UsageEvent, utcnow
+from billing.models import RateWindow, UsageEvent, utcnow
 from billing.money import ZERO, dollars, usd
 from billing.periods import minute_of, month_of
-from billing.reservations import settle_in
+from billing.reservations import CounterChanges, settle_in
+from billing.scoped_budgets import matching
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -421,35 +422,24 @@ class Ledger:
         crossed: list[SoftBudgetCrossed] = []
         with self._engine.begin() as conn:
             inserted = set(conn.execute(stmt, unique).scalars())
-            settle_in(conn, [row["request_id"] for row in unique])
             new_rows = [row for row in unique if row["request_id"] in inserted]
-            spend: dict[tuple[str, int, str], Decimal] = defaultdict(Decimal)
-            tokens: dict[tuple[int, int], int] = defaultdict(int)
-            for row in new_rows:
+            changes = CounterChanges()
+            # after the insert: a budget created meanwhile counted these events already (scoped_budgets.py)
+            scoped = matching(conn, new_rows)
+            for row, budgets in zip(new_rows, scoped):
                 ts = row["created_at"].timestamp()
-                period = month_of(ts)
+                period, cost = month_of(ts), dollars(row["cost_usd"])
                 if row["api_key_id"] is not None:
-                    spend[("key", row["api_key_id"], period)] += dollars(row["cost_usd"])
-                    tokens[(row["api_key_id"], minute_of(ts))] += row["prompt_tokens"] + row["completion_tokens"]
+                    changes.spent[("key", row["api_key_id"], period)] += cost
+                    tokens = row["prompt_tokens"] + row["completion_tokens"]
+                    changes.tokens[(row["api_key_id"], minute_of(ts))] += tokens
                 if row["tenant_id"] is not None:
-                    spend[("tenant", row["tenant_id"], period)] += dollars(row["cost_usd"])
-            if spend:
-                up = dialect_insert(self._engine, SpendCounter)
-                up = up.on_conflict_do_update(
-                    index_elements=["scope", "scope_id", "period"],
-                    set_={"spent_usd": SpendCounter.spent_usd + up.excluded.spent_usd},
-                )
-                conn.execute(up, [{"scope": s, "scope_id": i, "period": p, "spent_usd": v}
-                                  for (s, i, p), v in sorted(spend.items())])
-                crossed = claim_crossings(conn, self._engine, set(spend))
-            if tokens:
-                up = dialect_insert(self._engine, RateWindow)
-                up = up.on_conflict_do_update(
-                    index_elements=["api_key_id", "minute"],
-                    set_={"tokens": RateWindow.tokens + up.excluded.tokens},
-                )
-                conn.execute(up, [{"api_key_id": k, "minute": m, "requests": 0, "tokens": v}
-                                  for (k, m), v in sorted(tokens.items())])
+                    changes.spent[("tenant", row["tenant_id"], period)] += cost
+                for scope, budget_id in budgets:
+                    changes.spent[(scope, budget_id, period)] += cost
+            settle_in(conn, self._engine, [row["request_id"] for row in unique], changes)
+            if changes.spent:
+                crossed = claim_crossings(conn, self._engine, set(changes.spent))
         self.inserted_total += len(new_rows)
         if crossed:
             self._alert(crossed)

@@ -20,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -155,12 +156,29 @@ class RateWindow(Base):
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class ScopedBudget(Base):
+    """A monthly budget within a tenant for one end user (the requests' OpenAI `user` field) or one tag (a key's
+    project or a request's metadata.tags). Ids are never reused: spend counters and alerts are keyed by them."""
+
+    __tablename__ = "scoped_budgets"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "name"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    scope: Mapped[str] = mapped_column(String(10))  # user | tag
+    name: Mapped[str] = mapped_column(String(200))
+    budget_usd: Mapped[Decimal] = mapped_column(Money())
+    alert_at: Mapped[float | None] = mapped_column(Float)  # soft budget: alert once at this share of budget_usd
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class SpendCounter(Base):
-    """Spend of one key or one tenant in one calendar month (UTC), kept by the ledger writer."""
+    """Spend of one key, tenant, or scoped budget (user | tag: ScopedBudget.id) in one calendar month (UTC), kept
+    by the ledger writer."""
 
     __tablename__ = "spend_counters"
 
-    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant
+    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant | user | tag
     scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
     spent_usd: Mapped[Decimal] = mapped_column(Money(), default=0)
@@ -169,11 +187,11 @@ class SpendCounter(Base):
 
 
 class BudgetAlert(Base):
-    """A soft budget crossed: one row per key or tenant and month, so the alert fires once across gateways."""
+    """A soft budget crossed: one row per budget and month, so the alert fires once across gateways."""
 
     __tablename__ = "budget_alerts"
 
-    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant
+    scope: Mapped[str] = mapped_column(String(10), primary_key=True)  # key | tenant | user | tag
     scope_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
     spent_usd: Mapped[Decimal] = mapped_column(Money())  # when it fired
@@ -193,6 +211,9 @@ class Reservation(Base):
     period: Mapped[str] = mapped_column(String(7))
     tenant_usd: Mapped[Decimal | None] = mapped_column(Money())  # held against the tenant's budget
     key_usd: Mapped[Decimal | None] = mapped_column(Money())  # held against the key's budget
+    # held against each end-user or tag budget in `scoped_holds` ([[scope, ScopedBudget.id], ...])
+    scoped_usd: Mapped[Decimal | None] = mapped_column(Money())
+    scoped_holds: Mapped[list[list[str | int]] | None] = mapped_column(JSON)
     minute: Mapped[int | None] = mapped_column(BigInteger)  # the rate window its tokens are held in
     tokens: Mapped[int | None] = mapped_column(BigInteger)
     model: Mapped[str] = mapped_column(String(200))

@@ -3,9 +3,10 @@ one transaction of conditional updates, so concurrent requests on any number of 
 database can never spend past a budget or a tpm limit.
 
 - `reserve()` adds the worst-case cost to `spend_counters.reserved_usd` of every budget that applies
-  (the key's, the tenant's) and the worst-case tokens to the key's `rate_windows` row of this minute,
-  each `UPDATE ... WHERE spent + reserved + cost <= budget`: the database checks and adds in one
-  statement (a row lock on PostgreSQL, the write lock on SQLite), so no read-then-write race. It
+  (the key's, the tenant's, and the tenant's budgets for the request's end user and tags) and the worst-case
+  tokens to the key's `rate_windows` row of this minute, each an upsert `... DO UPDATE ... WHERE spent +
+  reserved + cost <= budget`: the database checks and adds in one statement (a row lock on PostgreSQL, the write lock on
+  SQLite), so no read-then-write race. All or nothing: a budget without room rolls back the others. It
   writes a `reservations` row naming the request and the gateway process that holds it.
 - The ledger settles a reservation in the transaction that writes the request's usage event
   (`settle_in()`): the exact cost goes to `spent_usd`, the reservation leaves `reserved_usd`. A
@@ -13,6 +14,10 @@ database can never spend past a budget or a tpm limit.
 - A gateway process that dies holds its reservations no longer than its heartbeat's age limit: a
   live gateway's sweeper (`ReservationKeeper`) releases them and records each request as
   `interrupted` (what is known: who, which model; no tokens).
+
+Every transaction that writes counters locks them in one order, spend counters by (scope, scope_id, period)
+and then rate windows by (key, minute), so that admissions and ledgers on any number of gateways never wait
+on each other in a cycle (a PostgreSQL deadlock would fail an admission, or a ledger batch).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
@@ -35,7 +40,9 @@ from sqlalchemy import Connection, Engine, and_, delete, select, update
 from billing.admission_journal import interrupted_event
 from billing.db import dialect_insert
 from billing.models import GatewayProcess, RateWindow, Reservation, SpendCounter, UsageEvent
+from billing.money import ZERO
 from billing.periods import minute_of, month_of, seconds_to_next_minute
+from billing.scoped_budgets import ScopedLimit
 
 log = logging.getLogger("tollgate.reservations")
 
@@ -66,19 +73,21 @@ class Budgets:
     tenant_budget_usd: Decimal | None
     rpm: int | None
     tpm: int | None
+    scoped: tuple[ScopedLimit, ...] = ()  # the tenant's budgets for this request's end user and tags
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request could not reserve: `kind` is "budget" (key or tenant), "rpm" or "tpm"."""
+    """Why a request could not reserve: `kind` is "budget" (key, tenant, user or tag), "rpm" or "tpm"."""
 
     kind: str
-    scope: str  # key | tenant
+    scope: str  # key | tenant | user | tag
     limit: Decimal | int  # dollars (budgets) or a count (rpm, tpm), as are the three below
     used: Decimal | int  # spent (budgets) or counted this minute (rpm, tpm)
     reserved: Decimal | int  # held by requests in flight (budgets)
     asked: Decimal | int
     retry_after_s: int
+    name: str = ""  # the end user's or tag's name (user and tag budgets)
 
 
 @dataclass(frozen=True)
@@ -105,35 +114,37 @@ def reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Wo
 def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, model: str, endpoint: str,
              now: float) -> Admitted:
     period, minute = month_of(now), minute_of(now)
-    scopes = [(s, i, b) for s, i, b in (("tenant", budgets.tenant_id, budgets.tenant_budget_usd),
-                                        ("key", budgets.api_key_id, budgets.key_budget_usd)) if b is not None]
+    scopes = sorted([(s, i, b, "") for s, i, b in (("tenant", budgets.tenant_id, budgets.tenant_budget_usd),
+                                                    ("key", budgets.api_key_id, budgets.key_budget_usd))
+                     if b is not None] + [(s.scope, s.id, s.budget_usd, s.name) for s in budgets.scoped])
+    row = SpendCounter.__table__.c
     with db.begin() as conn:
-        if scopes:
-            ensure = dialect_insert(db, SpendCounter).on_conflict_do_nothing(
-                index_elements=["scope", "scope_id", "period"])
-            conn.execute(ensure, [{"scope": s, "scope_id": i, "period": period, "spent_usd": 0, "reserved_usd": 0}
-                                  for s, i, _ in scopes])
-        for scope, scope_id, budget in scopes:  # tenant before key, in every process: no lock-order deadlock
-            row = SpendCounter.__table__.c
-            took = conn.execute(
-                update(SpendCounter)
-                .where(row.scope == scope, row.scope_id == scope_id, row.period == period,
-                       row.spent_usd + row.reserved_usd + worst.cost_usd <= budget)
-                .values(reserved_usd=row.reserved_usd + worst.cost_usd))
-            if took.rowcount != 1:
+        for scope, scope_id, budget, name in scopes:  # in the one lock order (see the module's docstring)
+            # one statement per counter, creating it or adding to it only while it has room, so that this
+            # transaction, too, takes each counter's lock in that order
+            take = dialect_insert(db, SpendCounter).values(scope=scope, scope_id=scope_id, period=period, spent_usd=0,
+                                                           reserved_usd=worst.cost_usd)
+            take = take.on_conflict_do_update(
+                index_elements=["scope", "scope_id", "period"],
+                set_={"reserved_usd": row.reserved_usd + worst.cost_usd},
+                where=row.spent_usd + row.reserved_usd + worst.cost_usd <= budget,
+            ).returning(row.scope)
+            if worst.cost_usd > budget or conn.execute(take).first() is None:
                 spent, reserved = conn.execute(select(row.spent_usd, row.reserved_usd).where(
-                    row.scope == scope, row.scope_id == scope_id, row.period == period)).one()
-                raise _Refused(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0))
+                    row.scope == scope, row.scope_id == scope_id, row.period == period)).first() or (ZERO, ZERO)
+                raise _Refused(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0, name))
         admitted = Admitted(0, 0, seconds_to_next_minute(now))
         if budgets.rpm is not None or budgets.tpm is not None:
             result = _take_rate(conn, db, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
             if isinstance(result, Refusal):
                 raise _Refused(result)
             admitted = result
+        held = [[s.scope, s.id] for s in budgets.scoped]
         conn.execute(dialect_insert(db, Reservation).values(
             request_id=request_id, owner=owner, tenant_id=budgets.tenant_id, api_key_id=budgets.api_key_id,
             period=period, tenant_usd=worst.cost_usd if budgets.tenant_budget_usd is not None else None,
             key_usd=worst.cost_usd if budgets.key_budget_usd is not None else None,
+            scoped_usd=worst.cost_usd if held else None, scoped_holds=held or None,
             minute=minute if budgets.tpm is not None else None,
             tokens=worst.tokens if budgets.tpm is not None else None,
             model=model, endpoint=endpoint, created_at=datetime.fromtimestamp(now, timezone.utc)))
@@ -167,15 +178,33 @@ def _take_rate(conn: Connection, db: Engine, b: Budgets, tokens: int, minute: in
     return Refusal("tpm", "key", b.tpm or 0, used.tokens, 0, tokens, retry_after)
 
 
+CounterKey = tuple[str, int, str]  # a spend counter: (scope, scope_id, period)
+WindowKey = tuple[int, int]  # a rate window: (api_key_id, minute)
+
+
+@dataclass
+class CounterChanges:
+    """What one transaction adds to spend counters (spent, reserved: negative to release) and rate windows
+    (tokens), written together by `apply_in` in the one lock order."""
+
+    spent: defaultdict[CounterKey, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
+    reserved: defaultdict[CounterKey, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
+    tokens: defaultdict[WindowKey, int] = field(default_factory=lambda: defaultdict(int))
+
+
 def release(db: Engine, request_ids: list[str]) -> int:
     """Give back reservations whose requests were refused after admission (no usage event follows)."""
     with db.begin() as conn:
-        return settle_in(conn, request_ids)
+        return settle_in(conn, db, request_ids, CounterChanges())
 
 
-def settle_in(conn: Connection, request_ids: list[str]) -> int:
-    """Inside the ledger's transaction that writes these requests' events: their reservations go."""
-    return _release_rows(conn, _take_rows(conn, request_ids))
+def settle_in(conn: Connection, db: Engine, request_ids: list[str], changes: CounterChanges) -> int:
+    """Inside the ledger's transaction that writes these requests' events: their reservations go, and the
+    counters get `changes` (the events' spend and tokens) with the releases, in one pass. Returns how many."""
+    rows = _take_rows(conn, request_ids)
+    _add_releases(rows, changes)
+    apply_in(conn, db, changes)
+    return len(rows)
 
 
 def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
@@ -183,29 +212,39 @@ def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
         return []
     r = Reservation.__table__.c
     return list(conn.execute(delete(Reservation).where(r.request_id.in_(request_ids)).returning(
-        r.request_id, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.minute, r.tokens,
-        r.model, r.endpoint, r.created_at)))
+        r.request_id, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.scoped_usd, r.scoped_holds,
+        r.minute, r.tokens, r.model, r.endpoint, r.created_at)))
 
 
-def _release_rows(conn: Connection, rows: list[Any]) -> int:
-    spend: dict[tuple[str, int, str], Decimal] = defaultdict(Decimal)
-    tokens: dict[tuple[int, int], int] = defaultdict(int)
+def _add_releases(rows: list[Any], changes: CounterChanges) -> None:
     for row in rows:
         if row.tenant_usd is not None:
-            spend[("tenant", row.tenant_id, row.period)] += row.tenant_usd
+            changes.reserved[("tenant", row.tenant_id, row.period)] -= row.tenant_usd
         if row.key_usd is not None:
-            spend[("key", row.api_key_id, row.period)] += row.key_usd
+            changes.reserved[("key", row.api_key_id, row.period)] -= row.key_usd
+        for scope, scope_id in row.scoped_holds or ():
+            changes.reserved[(scope, scope_id, row.period)] -= row.scoped_usd
         if row.tokens is not None:
-            tokens[(row.api_key_id, row.minute)] += row.tokens
-    c = SpendCounter.__table__.c
-    for (scope, scope_id, period), usd in sorted(spend.items()):
-        conn.execute(update(SpendCounter).where(c.scope == scope, c.scope_id == scope_id, c.period == period)
-                     .values(reserved_usd=c.reserved_usd - usd))
-    w = RateWindow.__table__.c
-    for (key_id, minute), n in sorted(tokens.items()):
-        conn.execute(update(RateWindow).where(w.api_key_id == key_id, w.minute == minute)
-                     .values(tokens=w.tokens - n))
-    return len(rows)
+            changes.tokens[(row.api_key_id, row.minute)] -= row.tokens
+
+
+def apply_in(conn: Connection, db: Engine, changes: CounterChanges) -> None:
+    """Adds `changes` to the counters, creating missing ones, each counter once and in the one lock order."""
+    counters = sorted(set(changes.spent) | set(changes.reserved))
+    if counters:
+        up = dialect_insert(db, SpendCounter)
+        up = up.on_conflict_do_update(index_elements=["scope", "scope_id", "period"], set_={
+            "spent_usd": SpendCounter.spent_usd + up.excluded.spent_usd,
+            "reserved_usd": SpendCounter.reserved_usd + up.excluded.reserved_usd})
+        conn.execute(up, [{"scope": s, "scope_id": i, "period": p, "spent_usd": changes.spent.get((s, i, p), 0),
+                           "reserved_usd": changes.reserved.get((s, i, p), 0)} for s, i, p in counters])
+    windows = sorted(k for k, n in changes.tokens.items() if n)
+    if windows:
+        up = dialect_insert(db, RateWindow)
+        up = up.on_conflict_do_update(index_elements=["api_key_id", "minute"],
+                                      set_={"tokens": RateWindow.tokens + up.excluded.tokens})
+        conn.execute(up, [{"api_key_id": k, "minute": m, "requests": 0, "tokens": changes.tokens[(k, m)]}
+                          for k, m in windows])
 
 
 def sweep_orphans(db: Engine, now: float | None = None) -> int:
@@ -222,7 +261,9 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
         rows = _take_rows(conn, orphaned)
         if not rows:
             return 0
-        _release_rows(conn, rows)
+        changes = CounterChanges()
+        _add_releases(rows, changes)
+        apply_in(conn, db, changes)
         events = [interrupted_event(row.request_id, created_at=row.created_at, tenant_id=row.tenant_id,
                                     api_key_id=row.api_key_id, model=row.model, endpoint=row.endpoint) for row in rows]
         conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)

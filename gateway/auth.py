@@ -12,7 +12,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.exc import DBAPIError
 
 from billing.accounts import hash_key
-from billing.models import ApiKey, Tenant
+from billing.models import ApiKey, ScopedBudget, Tenant
 from gateway.errors import database_unavailable, unauthorized
 from gateway.key_db_outage import is_database_outage
 from gateway.outage_log import warn_once as _warn_once
@@ -30,6 +30,7 @@ class Principal:
     tpm: int | None
     key_budget_usd: Decimal | None
     tenant_budget_usd: Decimal | None
+    scoped_budgets: bool = False  # the tenant has end-user or tag budgets (admission looks up each request's)
 
 
 class KeyStore:
@@ -41,7 +42,8 @@ class KeyStore:
         self._lock = threading.Lock()
         self._query = (
             select(ApiKey.id, ApiKey.key_hash, ApiKey.prefix, ApiKey.revoked, ApiKey.project, ApiKey.rpm,
-                   ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd, Tenant.uid)
+                   ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd, Tenant.uid,
+                   select(ScopedBudget.id).where(ScopedBudget.tenant_id == Tenant.id).exists())
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
         )
 
@@ -100,4 +102,4 @@ class KeyStore:
             return None
         return Principal(key_id=row[0], key_prefix=row[2], project=row[4], rpm=row[5], tpm=row[6],
                          key_budget_usd=row[7], tenant_id=row[8], tenant=row[9], tenant_budget_usd=row[10],
-                         tenant_uid=row[11])
+                         tenant_uid=row[11], scoped_budgets=bool(row[12]))

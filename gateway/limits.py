@@ -1,13 +1,15 @@
-"""rpm, tpm and monthly budgets, enforced before the model is called. Admission reserves the request's
-worst case in SQL (billing/reservations.py): every gateway process sharing the database sees the same
-counters, and each check-and-add is one conditional statement, so concurrent requests can never
-spend past a budget or a tpm limit. The ledger settles each reservation to the exact cost when it
-writes the request's usage event; a refusal after admission releases it."""
+"""rpm, tpm and monthly budgets (the key's, the tenant's, and the tenant's budgets for end users and tags),
+enforced before the model is called. Admission reserves the request's worst case in SQL
+(billing/reservations.py): every gateway process sharing the database sees the same counters, and each
+check-and-add is one conditional statement, so concurrent requests can never spend past a budget or a tpm
+limit. The ledger settles each reservation to the exact cost when it writes the request's usage event; a
+refusal after admission releases it."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -17,10 +19,10 @@ from billing.ledger import Ledger
 from billing.money import ZERO, usd
 from billing.periods import seconds_to_next_minute
 from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve
+from billing.scoped_budgets import SCOPE_WORDS, ScopedLimit, applicable
 from gateway.auth import Principal
 from gateway.errors import APIError, insufficient_quota, rate_limited
 from gateway.outage_log import warn_once
-
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,14 @@ class RateLimitHeaders:
         return out
 
 
-def budgets_of(p: Principal) -> Budgets:
-    return Budgets(p.tenant_id, p.key_id, p.key_budget_usd, p.tenant_budget_usd, p.rpm, p.tpm)
+def budgets_of(p: Principal, engine: Engine, end_user: str | None, tags: Sequence[str]) -> Budgets:
+    """The limits that apply: the key's and the tenant's, and the tenant's budgets for this end user and tags
+    (looked up only for a tenant that has such budgets)."""
+    scoped: tuple[ScopedLimit, ...] = ()
+    if p.scoped_budgets and (end_user is not None or tags):
+        with engine.connect() as conn:
+            scoped = applicable(conn, p.tenant_id, end_user, tags)
+    return Budgets(p.tenant_id, p.key_id, p.key_budget_usd, p.tenant_budget_usd, p.rpm, p.tpm, scoped)
 
 
 class Limiter:
@@ -60,13 +68,16 @@ class Limiter:
         self._lock = threading.Lock()
 
     def admit(self, p: Principal, request_id: str, worst: Worst, *, model: str, endpoint: str,
-              now: float | None = None) -> RateLimitHeaders | None:
-        """Reserve `worst` for this request against the key's and the tenant's limits; a 429 APIError when
-        they do not leave room. Returns the rate-limit headers (None without rpm / tpm, or with the
-        database unreachable: then admission fails open on what this process knows)."""
+              end_user: str | None = None, tags: Sequence[str] = (), now: float | None = None
+              ) -> RateLimitHeaders | None:
+        """Reserve `worst` for this request against every limit that applies (the key's, the tenant's, the
+        tenant's budgets for `end_user` and `tags`); a 429 APIError when they do not leave room. Returns the
+        rate-limit headers (None without rpm / tpm, or with the database unreachable: then admission fails
+        open on what this process knows)."""
         now = time.time() if now is None else now
         try:
-            result = reserve(self._engine, request_id, self.owner, budgets_of(p), worst, model=model,
+            budgets = budgets_of(p, self._engine, end_user, tags)
+            result = reserve(self._engine, request_id, self.owner, budgets, worst, model=model,
                              endpoint=endpoint, now=now)
         except OperationalError:
             self._admit_without_database(p, now)
@@ -94,8 +105,9 @@ class Limiter:
 
     def _admit_without_database(self, p: Principal, now: float) -> None:
         """The database is unreachable: fail open (logged), enforcing only what this process knows, the
-        spend and tokens it has recorded and not yet written. Serving a tenant through an outage beats
-        refusing it; the overshoot is bounded by the outage's length (RELIABILITY.md)."""
+        spend and tokens it has recorded and not yet written (end-user and tag budgets, unknown without the
+        database, are not enforced). Serving a tenant through an outage beats refusing it; the overshoot is
+        bounded by the outage's length (RELIABILITY.md)."""
         warn_once("limits database unreachable; admitting requests on in-memory counts only")
         ledger = self._ledger
         pending_tokens = ledger.pending_tokens(p.key_id) if ledger else 0
@@ -106,7 +118,7 @@ class Limiter:
                                                                               p.tenant_budget_usd)):
             spent = ledger.pending_spend(scope, scope_id) if ledger else ZERO
             if budget is not None and spent >= budget:
-                raise insufficient_quota(f"{_whose(p, scope)} monthly budget of {usd(budget)} is spent.")
+                raise insufficient_quota(f"{_who(p, scope)} has spent its monthly budget of {usd(budget)}.")
 
 
 def _headers(p: Principal, admitted: Admitted) -> RateLimitHeaders | None:
@@ -115,17 +127,20 @@ def _headers(p: Principal, admitted: Admitted) -> RateLimitHeaders | None:
     return RateLimitHeaders(p.rpm, p.tpm, admitted.requests_used, admitted.tokens_used, admitted.reset_s)
 
 
-def _whose(p: Principal, scope: str) -> str:
-    return "This API key's" if scope == "key" else f"Tenant {p.tenant!r}'s"
+def _who(p: Principal, scope: str, name: str = "") -> str:
+    if scope in SCOPE_WORDS:
+        return f"{SCOPE_WORDS[scope].capitalize()} {name!r}"
+    return "This API key" if scope == "key" else f"Tenant {p.tenant!r}"
 
 
 def refusal_error(p: Principal, r: Refusal) -> APIError:
     if r.kind == "budget":
         left = max(ZERO, r.limit - r.used - r.reserved)
         return insufficient_quota(
-            f"{_whose(p, r.scope)} monthly budget of {usd(r.limit)} has {usd(left)} left ({usd(r.used)} spent, "
-            f"{usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} (its prompt "
-            "and max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to finish.")
+            f"{_who(p, r.scope, r.name)} has {usd(left)} left of its monthly budget of {usd(r.limit)} ({usd(r.used)} "
+            f"spent, {usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} (its "
+            "prompt and max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to "
+            "finish.")
     if r.kind == "rpm":
         err = rate_limited(f"Rate limit reached for requests per minute: limit {int(r.limit)}, used {int(r.used)}. "
                            f"Try again in {r.retry_after_s}s.", r.retry_after_s)

@@ -150,7 +150,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         if gw.needs_admission(p):
             worst = gw.worst_case(model, backend, prompt_tokens_bound, params.max_tokens, params.n)
             limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
-                                             endpoint=fmt.endpoint)
+                                             endpoint=fmt.endpoint, end_user=body.user,
+                                             tags=gw.tags_of(p, body.tags()))
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())

@@ -143,7 +143,7 @@ class Gateway:
         return self.reuse.route(messages, max_tokens, self.models.route_candidates())
 
     def needs_admission(self, p: Principal) -> bool:
-        return any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
+        return p.scoped_budgets or any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
 
     def worst_case(self, model: str, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
                    n: int) -> Worst:
@@ -164,11 +164,16 @@ class Gateway:
     def new_request_id(fmt: Format) -> str:
         return f"{fmt.id_prefix}{uuid.uuid4().hex}"
 
+    @staticmethod
+    def tags_of(p: Principal, request_tags: list[str]) -> list[str]:
+        """A request's tags: its key's project, then the request's metadata.tags."""
+        return ([p.project] if p.project else []) + request_tags
+
     def new_call(self, request_id: str, p: Principal, model: str, backend: ModelBackend, fmt: Format,
                  end_user: str | None, request_tags: list[str]) -> Call:
         """The admitted request, journaled before anything runs (billing/admission_journal.py): it leaves a
         usage event whatever happens to this process. A 503 when the journal cannot be written."""
-        tags = ([p.project] if p.project else []) + request_tags
+        tags = self.tags_of(p, request_tags)
         try:
             self.ledger.begin(request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, model=model,
                               endpoint=fmt.endpoint, end_user=end_user, tags=tags)

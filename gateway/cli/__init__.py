@@ -1,5 +1,6 @@
 """The `platform` command. Its subcommands live beside this file: core.py (database, tenants, keys,
-usage, cache, settings), serve.py (the gateway and the Ray Serve platform), admin.py and reports.py.
+usage, cache, settings), budgets.py (end-user and tag budgets), serve.py (the gateway and the Ray Serve
+platform), admin.py and reports.py.
 Each module's `register(subparsers)` adds its commands; each command runs as func(args, settings)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.cli import admin, core, reports, serve
+from gateway.cli import admin, budgets, core, reports, serve
 from gateway.serving.errors import NoPlatform
 from gateway.settings import Settings
 
@@ -23,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(required=True, metavar="COMMAND")
     serve.register(sub)
     core.register(sub)
+    budgets.register(sub)
     reports.register(sub)
     admin.register(sub)
     return p

@@ -54,3 +54,38 @@ def test_0004_turns_float_money_and_seconds_into_exact_units_and_back(tmp_path) 
             assert Decimal(str(conn.execute(text("SELECT budget_usd FROM tenants")).scalar_one())) == Decimal("12.34")
             assert conn.execute(text("SELECT busy_s FROM replica_intervals")).scalar_one() == 0.25
         engine.dispose()
+
+
+def test_0006_adds_end_user_and_tag_budgets_and_takes_them_back(tmp_path) -> None:
+    from sqlalchemy import create_engine, text
+
+    from billing.accounts import create_tenant
+    from billing.scoped_budgets import list_budgets, set_budget
+    from tests.billing.dbutil import fresh_database
+
+    with fresh_database(tmp_path) as url:
+        engine = create_engine(url)
+        create_tenant(engine, "acme")
+        set_budget(engine, "acme", user="alice", budget_usd=5, alert_at=0.8)
+        set_budget(engine, "acme", tag="search", budget_usd=50)
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO spend_counters (scope, scope_id, period, spent_usd, reserved_usd) "
+                              "VALUES ('key', 1, '2026-12', 0, 90000000)"))
+            conn.execute(text("INSERT INTO budget_alerts (scope, scope_id, period, spent_usd, budget_usd, fired_at) "
+                              "VALUES ('user', 1, '2026-12', 4, 5, CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO reservations (request_id, owner, tenant_id, api_key_id, period, key_usd, "
+                              "scoped_usd, scoped_holds, model, endpoint, created_at) VALUES ('r1', 'gw', 1, 1, "
+                              "'2026-12', 90000000, 90000000, '[[\"user\", 1]]', 'm', 'chat', CURRENT_TIMESTAMP)"))
+        downgrade(url, "0005")
+        tables = inspect(engine)
+        assert "scoped_budgets" not in tables.get_table_names()
+        assert {"scoped_usd", "scoped_holds"}.isdisjoint(c["name"] for c in tables.get_columns("reservations"))
+        with engine.connect() as conn:  # the key's hold stays; the end-user and tag counters and alerts go
+            assert conn.execute(text("SELECT request_id, key_usd FROM reservations")).one() == ("r1", 90000000)
+            assert conn.execute(text("SELECT DISTINCT scope FROM spend_counters")).scalars().all() == ["key"]
+            assert conn.execute(text("SELECT count(*) FROM budget_alerts")).scalar_one() == 0
+        upgrade(url)
+        assert list_budgets(engine) == []
+        set_budget(engine, "acme", user="alice", budget_usd=5)
+        assert [(u.scope, u.name, u.budget_usd) for u in list_budgets(engine)] == [("user", "alice", 5)]
+        engine.dispose()

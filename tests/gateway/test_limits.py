@@ -105,7 +105,8 @@ def test_budgets_hold_the_worst_case_and_settle_to_the_exact_cost(db):
         _admit(limiter, p, cost=0.3)
     err = info.value
     assert (err.status, err.code) == (429, "insufficient_quota")
-    assert "$0.20 left ($0.00 spent, $0.30 held by requests in flight)" in err.message
+    assert ("This API key has $0.20 left of its monthly budget of $0.50 ($0.00 spent, $0.30 held by requests in "
+            "flight)") in err.message
     assert "may cost up to $0.30" in err.message
     assert _counters(db, p) == {"key": (0.0, 0.3), "tenant": (0.0, 0.3)}  # the refusal changed nothing
     ledger.record(_event(first, p, cost=0.1))
