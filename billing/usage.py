@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 
 import pandas as pd
-from sqlalchemy import Engine, String, cast, func, literal, select
+from sqlalchemy import Engine, String, cast, func, select
 
+from billing.event_filter import has_tag
 from billing.field_checks import text_field
 from billing.models import ApiKey, Tenant, UsageEvent
 
@@ -57,7 +58,7 @@ def usage_frame(
     if user is not None:
         q = q.where(UsageEvent.end_user == text_field("user", user))
     if tag is not None:
-        q = q.where(_has_tag(engine, text_field("tag", tag)))
+        q = q.where(has_tag(engine.dialect.name, text_field("tag", tag)))
     if since is not None:
         q = q.where(created >= since)
     if until is not None:
@@ -72,11 +73,3 @@ def usage_frame(
         frame[c] = frame[c].astype("int64")
     frame["cost_usd"] = frame["cost_usd"].astype("float64")
     return frame
-
-
-
-def _has_tag(engine: Engine, tag: str):  # type: ignore[no-untyped-def]
-    """EXISTS an element of usage_events.tags (a JSON array) equal to `tag`."""
-    each = "json_array_elements_text" if engine.dialect.name == "postgresql" else "json_each"
-    elements = getattr(func, each)(UsageEvent.tags).table_valued("value")
-    return select(literal(1)).select_from(elements).where(elements.c.value == tag).exists()
