@@ -1,16 +1,20 @@
 """GPU (replica) time per model and day from ReplicaInterval rows: alive hours, busy hours and the
 idle rate (the share of alive time in which the engine had no work) that `platform usage --gpu` shows;
-per tenant from their GpuShare rows (`platform usage --gpu --by tenant`)."""
+per tenant from their GpuShare rows (`platform usage --gpu --by tenant`, the dashboard's GPU page)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 
 import pandas as pd
 from sqlalchemy import Engine, Select, func, select
 
 from billing.field_checks import text_field
 from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant
+from billing.money import dollars
 from billing.report_query import day_of, within
 
 COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
@@ -83,3 +87,44 @@ def gpu_usage_by_tenant(engine: Engine, *, model: str | None = None, since: date
     totals = out.groupby(["day", "model"])["gpu_h"].transform("sum")
     out["share"] = (out["gpu_h"] / totals).where(totals > 0, 0.0)
     return out[TENANT_COLUMNS]
+
+
+@dataclass(frozen=True)
+class TenantGpuTime:
+    tenant: str  # NO_TENANT: idle time of intervals without any work
+    busy_s: Decimal
+    idle_s: Decimal
+    cost_usd: Decimal  # (busy + idle) × each model's gpu_hour
+
+    @property
+    def total_s(self) -> Decimal:
+        return self.busy_s + self.idle_s
+
+
+def gpu_seconds_per_tenant(engine: Engine, *, model: str | None = None, tenant: str | None = None,
+                           since: datetime | None = None, until: datetime | None = None) -> list[TenantGpuTime]:
+    """Each tenant's busy and idle replica seconds (billing/gpu_shares.py), exact to the microsecond, over
+    the intervals that start in [since, until); most time first. One GROUP BY (tenant, model)."""
+    price = func.max(ModelDeployment.gpu_hour)
+    q = (
+        select(Tenant.name, ReplicaInterval.model, func.sum(GpuShare.busy_s), func.sum(GpuShare.idle_s), price)
+        .select_from(GpuShare)
+        .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
+        .outerjoin(Tenant, Tenant.uid == GpuShare.tenant_uid)
+        .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
+        .group_by(Tenant.name, ReplicaInterval.model)
+    )
+    if tenant is not None:
+        q = q.where(Tenant.name == text_field("tenant", tenant))
+    with engine.connect() as conn:
+        rows = conn.execute(_filtered(q, model, since, until)).all()
+    busy: dict[str, Decimal] = defaultdict(Decimal)
+    idle: dict[str, Decimal] = defaultdict(Decimal)
+    cost: dict[str, Decimal] = defaultdict(Decimal)
+    for name, _, b, i, per_hour in rows:
+        who = name or NO_TENANT
+        busy[who] += b or 0
+        idle[who] += i or 0
+        cost[who] += dollars(((b or 0) + (i or 0)) * (per_hour or 0) / 3600)
+    out = [TenantGpuTime(t, busy[t], idle[t], cost[t]) for t in busy]
+    return sorted(out, key=lambda r: (-r.total_s, r.tenant == NO_TENANT, r.tenant))

@@ -30,8 +30,17 @@ def dollars(value: Any) -> Decimal:
 def usd(amount: Any) -> str:
     """$5.00, $4.9012, $0.000123, $0.000000001: as many decimals as the amount has (to the nano-dollar,
     at least cents), never a sub-cent amount shown as "$0.00"."""
+    return _text(amount, "$", ",")
+
+
+def amount_text(amount: Any) -> str:
+    """usd() for machines (CSV, JSON): "5.00", "-0.000123", "1234.5678"; no "$", no thousands separator."""
+    return _text(amount, "", "")
+
+
+def _text(amount: Any, symbol: str, grouping: str) -> str:
     value = dollars(amount)
     sign = "-" if value < 0 else ""
-    text = f"{abs(value):,.9f}".rstrip("0")
+    text = f"{abs(value):{grouping}.9f}".rstrip("0")
     whole, _, decimals = text.partition(".")
-    return f"{sign}${whole}.{decimals.ljust(2, '0')}"
+    return f"{sign}{symbol}{whole}.{decimals.ljust(2, '0')}"

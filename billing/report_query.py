@@ -8,10 +8,9 @@ from contextlib import contextmanager
 from datetime import date, datetime, timezone
 from typing import Any, Union
 
-from sqlalchemy import Engine, Select, String, cast, func, literal, select
+from sqlalchemy import Engine, Select, String, cast, func
 
 from billing.db import make_engine
-from billing.models import UsageEvent
 
 Db = Union[str, Engine]
 When = Union[datetime, date, None]
@@ -51,10 +50,3 @@ def within(query: Select, column: Any, since: When, until: When) -> Select:
     if end is not None:
         query = query.where(column < end)
     return query
-
-
-def has_tag(engine: Engine, tag: str):  # type: ignore[no-untyped-def]
-    """EXISTS an element of usage_events.tags (a JSON array) equal to `tag`."""
-    each = "json_array_elements_text" if engine.dialect.name == "postgresql" else "json_each"
-    elements = getattr(func, each)(UsageEvent.tags).table_valued("value")
-    return select(literal(1)).select_from(elements).where(elements.c.value == tag).exists()

@@ -35,7 +35,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, select, update
+from sqlalchemy import Connection, Engine, and_, delete, select
 
 from billing.admission_journal import interrupted_event
 from billing.db import dialect_insert

@@ -22,7 +22,7 @@ from billing.field_checks import FieldError, alert_share, text_field, usd_amount
 from billing.models import ScopedBudget, SpendCounter, Tenant, UsageEvent
 from billing.money import ZERO
 from billing.periods import month_of
-from billing.report_query import has_tag
+from billing.event_filter import has_tag
 
 SCOPES = ("user", "tag")
 SCOPE_WORDS = {"user": "end user", "tag": "tag"}
@@ -182,7 +182,7 @@ def _start_counter(conn: Connection, engine: Engine, tenant_id: int, scope: str,
     start = datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc)
     end = start.replace(year=start.year + start.month // 12, month=start.month % 12 + 1)
     e = UsageEvent
-    match = e.end_user == name if scope == "user" else has_tag(engine, name)
+    match = e.end_user == name if scope == "user" else has_tag(engine.dialect.name, name)
     spent = conn.execute(select(func.coalesce(func.sum(e.cost_usd), 0)).where(
         e.tenant_id == tenant_id, e.created_at >= start, e.created_at < end, match)).scalar_one()
     conn.execute(dialect_insert(engine, SpendCounter).values(

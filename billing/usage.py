@@ -7,9 +7,9 @@ from datetime import datetime
 import pandas as pd
 from sqlalchemy import Engine, String, cast, func, select
 
+from billing.event_filter import has_tag
 from billing.field_checks import text_field
 from billing.models import ApiKey, Tenant, UsageEvent
-from billing.report_query import has_tag
 
 GROUPS = ("day", "month", "model", "tenant", "key", "user", "status", "endpoint")
 
@@ -58,7 +58,7 @@ def usage_frame(
     if user is not None:
         q = q.where(UsageEvent.end_user == text_field("user", user))
     if tag is not None:
-        q = q.where(has_tag(engine, text_field("tag", tag)))
+        q = q.where(has_tag(engine.dialect.name, text_field("tag", tag)))
     if since is not None:
         q = q.where(created >= since)
     if until is not None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, FastAPI
 
-from gateway.dashboard import auth_routes, keys_routes, models_routes, pages_routes
+from gateway.dashboard import (auth_routes, budgets_routes, cache_routes, gpu_routes, invoices_routes, keys_routes,
+                               models_routes, pages_routes, requests_routes, usage_routes)
 from gateway.dashboard.guard import Refused, send_refusal
 from gateway.dashboard.session import session_secret
 
 dashboard_router = APIRouter(include_in_schema=False)
-for _module in (auth_routes, pages_routes, keys_routes, models_routes):
+for _module in (auth_routes, pages_routes, usage_routes, requests_routes, budgets_routes, gpu_routes, cache_routes,
+                invoices_routes, keys_routes, models_routes):
     dashboard_router.include_router(_module.router, prefix="/admin")
-
 
 
 def install_dashboard(app: FastAPI) -> None:

@@ -30,6 +30,10 @@ def usd(value: float | Decimal | None) -> str:
     return "—" if value is None else money_text(value)
 
 
+def cents(value: int) -> str:
+    return usd(Decimal(value).scaleb(-2))
+
+
 def pct(value: float) -> str:
     return f"{value * 100:.1f}%"
 
@@ -38,9 +42,15 @@ def count(value: int | float | None) -> str:
     return "—" if value is None else f"{value:,}"
 
 
+def seconds(value: float | Decimal | int) -> str:
+    """Replica time: 3,600.25 s, 0.000125 s (to the microsecond below one second, the millisecond above)."""
+    text = f"{value:,.{6 if abs(value) < 1 else 3}f}".rstrip("0").rstrip(".")
+    return f"{text} s"
+
+
 _env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
                    trim_blocks=True, lstrip_blocks=True)
-_env.filters.update(usd=usd, pct=pct, count=count)
+_env.filters.update(usd=usd, cents=cents, pct=pct, count=count, seconds=seconds)
 
 
 def page(name: str, status_code: int = 200, **context: Any) -> HTMLResponse:

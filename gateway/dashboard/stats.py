@@ -9,10 +9,12 @@ from decimal import Decimal
 
 from sqlalchemy import Engine, case, func, select
 
+from billing.cache_savings import NOTHING, savings_by_tenant_model
+from billing.event_filter import EventFilter
 from billing.models import ApiKey, Tenant, UsageEvent
 from billing.money import ZERO
 from billing.report_query import day_of, within
-from billing.reports import gpu_by_model, usage_by_tenant_day_model
+from billing.reports import gpu_by_model
 
 
 def today_utc() -> date:
@@ -39,7 +41,7 @@ class Totals:
 class Overview:
     today: Totals
     month: Totals
-    cache_savings_usd: float  # this month, at list prices
+    cache_savings_usd: Decimal  # this month, at list prices (semantic and KV prefix cache)
     gpu_alive_h: float  # this month
     gpu_idle_rate: float
 
@@ -57,7 +59,7 @@ def _totals(db: Engine, since: date) -> Totals:
 def overview(db: Engine) -> Overview:
     day = today_utc()
     start = month_start(day)
-    savings = float(usage_by_tenant_day_model(db, since=start)["cache_savings_usd"].sum())
+    savings = sum((r.savings for r in savings_by_tenant_model(db, EventFilter(since=start))), NOTHING).total_usd
     gpu = gpu_by_model(db, since=start)
     alive, busy = float(gpu["alive_h"].sum()), float(gpu["busy_h"].sum())
     return Overview(_totals(db, day), _totals(db, start), savings, alive, (alive - busy) / alive if alive else 0.0)

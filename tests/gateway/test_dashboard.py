@@ -1,13 +1,13 @@
 """The admin dashboard over HTTP: sign-in with admin keys only, the session cookie's flags, CSRF on
-every POST, escaping, keys shown once, scaling through the optional hook. No model is loaded: the
-gateway gets a stub backend that only answers info()."""
+every POST, escaping, keys shown once, scaling through the optional hook (the spend, usage, budget,
+GPU, cache, request-log and invoice views: test_dashboard_views.py). No model is loaded: the gateway
+gets a stub backend that only answers info(); the data is tests/gateway/dashboard_seed.py's."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from datetime import datetime, time, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -15,27 +15,23 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from billing.accounts import create_key, create_tenant, hash_key
+from billing.accounts import create_key, hash_key
 from billing.admin_keys import create_admin_key
 from billing.db import make_engine
-from billing.models import ApiKey, Tenant, UsageEvent
+from billing.models import ApiKey
+from billing.money import usd
 from gateway.app import create_app
 from gateway.backends import BackendInfo, GenerationChunk, GenerationRequest
 from gateway.settings import Settings
 from gateway.specs import load_spec
 from tests.billing.dbutil import fresh_database
+from tests.gateway.dashboard_seed import EVIL_TENANT, SEEDED, chart_total, hold_reservations, seed
 from tests.gateway.live import LiveServer, start
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
 ENV_ADMIN_KEY = "tga-env-configured-secret"
-EVIL_TENANT = "<script>alert('x')</script> & co"
-# (tenant, days ago, cost): acme's chart over the last 30 days shows all but the 40-day-old one
-SEEDED = [("acme", 0, 0.125), ("acme", 1, 2.5), ("acme", 3, 0.0625), ("acme", 40, 1.0),
-          (EVIL_TENANT, 0, 0.5), (EVIL_TENANT, 2, 0.25)]
-
-
-def chart_total(tenant: str, days: int = 30) -> float:
-    return sum(cost for t, ago, cost in SEEDED if t == tenant and ago < days)
+PAGES = ("/admin", "/admin/usage", "/admin/requests", "/admin/budgets", "/admin/gpu", "/admin/cache", "/admin/invoices",
+         "/admin/tenants", "/admin/keys", "/admin/models")
 
 
 class StubBackend:
@@ -59,22 +55,11 @@ class Dashboard:
     db: Engine
     admin_key: str
     tenant_key: str
+    keys: dict[str, int]  # the seeded keys' ids by name
 
     @property
     def url(self) -> str:
         return self.live.url
-
-
-def seed(db: Engine) -> None:
-    create_tenant(db, "acme", budget_usd=100.0)
-    create_tenant(db, EVIL_TENANT)
-    midnight = datetime.combine(datetime.now(timezone.utc).date(), time(0, 1), tzinfo=timezone.utc)
-    with Session(db) as s, s.begin():
-        tenants = {t.name: t.id for t in s.scalars(select(Tenant))}
-        for i, (tenant, ago, cost) in enumerate(SEEDED):
-            s.add(UsageEvent(request_id=f"seed-{i}", tenant_id=tenants[tenant], model="smollm2-135m",
-                             endpoint="chat.completions", status="ok", prompt_tokens=100, completion_tokens=20,
-                             cache_hit=i == 1, cost_usd=cost, created_at=midnight - timedelta(days=ago)))
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +70,15 @@ def dashboard(tmp_path_factory) -> Iterator[Dashboard]:
 
 def _serve(url: str) -> Iterator[Dashboard]:
     db = make_engine(url)
-    seed(db)
+    keys = seed(db)
     tenant_key = create_key(db, "acme", name="seeded").key
     admin_key = create_admin_key(db, "tests").key
     settings = Settings(database_url=url, key_cache_ttl_s=0.0, semantic_cache=False, admin_key=ENV_ADMIN_KEY)
     spec = load_spec(SPEC_PATH)
     live = start(create_app(settings, make_engine(url), {spec.name: StubBackend(spec.name)}, [spec]))
+    hold_reservations(db, live.gateway.limiter.owner, keys)
     try:
-        yield Dashboard(live, db, admin_key, tenant_key)
+        yield Dashboard(live, db, admin_key, tenant_key, keys)
     finally:
         live.stop()
         db.dispose()
@@ -112,10 +98,13 @@ def signed_in_client(d: Dashboard, key: str | None = None) -> httpx.Client:
     return client
 
 
-def test_pages_need_a_session(dashboard):
-    for path in ("/admin", "/admin/tenants", "/admin/keys", "/admin/models"):
-        r = httpx.get(dashboard.url + path)
-        assert r.status_code == 303 and r.headers["location"] == "/admin/login"
+def test_pages_and_exports_need_a_session(dashboard):
+    for path in PAGES:
+        for query in ("", "?format=csv", "?format=json"):
+            r = httpx.get(dashboard.url + path + query)
+            assert r.status_code == 303 and r.headers["location"] == "/admin/login", path + query
+            r = httpx.get(dashboard.url + path + query, headers={"Authorization": f"Bearer {dashboard.tenant_key}"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
 
 
 def test_cookie_is_signed_httponly_strict_and_ends_at_sign_out(dashboard):
@@ -209,7 +198,7 @@ def test_tenant_names_are_escaped_and_totals_add_up(dashboard):
 
 def test_pages_fetch_nothing_from_outside(dashboard):
     client = signed_in_client(dashboard)
-    pages = [client.get(p) for p in ("/admin", "/admin/tenants", "/admin/keys", "/admin/models")]
+    pages = [client.get(p) for p in PAGES]
     for r in [*pages, httpx.get(dashboard.url + "/admin/login")]:
         assert r.status_code == 200
         assert "default-src 'none'" in r.headers["content-security-policy"]
@@ -220,8 +209,8 @@ def test_pages_fetch_nothing_from_outside(dashboard):
 def test_overview_numbers(dashboard):
     client = signed_in_client(dashboard)
     r = client.get("/admin")
-    today = sum(c for _, ago, c in SEEDED if ago == 0)
-    assert today == 0.625 and re.search(r'id="spend-today">([^<]+)<', r.text).group(1) == "$0.625"
+    today = sum(s.cost_usd for s in SEEDED if s.ago == 0)
+    assert re.search(r'id="spend-today">([^<]+)<', r.text).group(1) == usd(today)
     assert "smollm2-135m" in r.text and "ready" in r.text
 
 

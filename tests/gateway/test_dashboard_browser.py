@@ -1,20 +1,25 @@
 """The admin dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by
-Selenium): sign in, a tenant's cost chart with the right total, create a key (shown once) and
-revoke it, a tenant's key cannot sign in. Saves a screenshot in the test's tmp dir; set
-TOLLGATE_DASHBOARD_SCREENSHOT=docs/dashboard.png to also copy it there."""
+Selenium), one browser for the module: sign in, a tenant's cost chart with the right total, create a key
+(shown once) and revoke it, a tenant's key cannot sign in; then every spend view (overview stacked by
+tenant and by model, usage by tag, budgets, GPU, cache, request log) with its numbers, and a click from an
+invoice line to the requests behind it. Saves a screenshot of each view in the test's tmp dir; set
+TOLLGATE_DASHBOARD_SCREENSHOT=docs/dashboard.png to also copy the overview's there."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
 
 from billing.accounts import hash_key
 from billing.models import ApiKey
+from billing.money import dollars, usd
 from tests.billing.dbutil import fresh_database
-from tests.gateway.test_dashboard import EVIL_TENANT, SEEDED, Dashboard, _serve, chart_total
+from tests.gateway.dashboard_seed import BIG, EVIL_TENANT, MODEL, SEEDED, chart_total, this_month
+from tests.gateway.test_dashboard import Dashboard, _serve
 from tollgate import envs
 
 CHROMIUM = shutil.which("chromium")
@@ -33,18 +38,19 @@ def dashboard(tmp_path_factory) -> Iterator[Dashboard]:
         yield from _serve(url)
 
 
-@pytest.fixture
-def browser(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):  # type: ignore[no-untyped-def]
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
-    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must never try to download a driver
     options = Options()
     options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]:
+    for flag in [*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium') / 'profile'}"]:
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SE_OFFLINE", "true")  # Selenium Manager must never try to download a driver
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.implicitly_wait(5)
     yield driver
     driver.quit()
@@ -98,8 +104,8 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
 
     sign_in(browser, url, d.admin_key)
     assert browser.current_url == url + "/admin"
-    today = sum(cost for _, ago, cost in SEEDED if ago == 0)
-    assert today == 0.625 and browser.find_element(By.ID, "spend-today").text == "$0.625"
+    today = sum(s.cost_usd for s in SEEDED if s.ago == 0)
+    assert browser.find_element(By.ID, "spend-today").text == usd(today)
 
     browser.find_element(By.LINK_TEXT, "Tenants").click()
     browser.find_element(By.LINK_TEXT, EVIL_TENANT).click()  # the name is text, never markup
@@ -110,10 +116,7 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
     assert chart_total("acme") == 2.6875 and browser.find_element(By.ID, "chart-total").text == "$2.6875"
     bars = browser.find_elements(By.CSS_SELECTOR, "#tenant-chart svg rect.bar")
     assert len(bars) == 30 and sum(float(b.get_attribute("height")) > 0 for b in bars) == 3
-    shot = tmp_path / "dashboard.png"
-    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-    if envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"):
-        shutil.copyfile(shot, envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"))
+    screenshot(browser, tmp_path / "tenants.png")
 
     browser.find_element(By.LINK_TEXT, "Keys").click()
     Select(browser.find_element(By.ID, "create-tenant")).select_by_visible_text("acme")
@@ -136,3 +139,102 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
     wait_for(browser, lambda b: b.current_url.endswith("/admin/login"))
     browser.get(url + "/admin/keys")
     assert browser.current_url.endswith("/admin/login")
+
+
+def screenshot(driver, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    """The whole page: the window grown to the page's height for the shot, then back."""
+    height, chrome = driver.execute_script(
+        "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight]")
+    driver.set_window_size(1280, max(1000, min(int(height) + int(chrome), 4000)))
+    try:
+        assert driver.save_screenshot(str(path)) and path.stat().st_size > 10_000
+    finally:
+        driver.set_window_size(1280, 1000)
+    return path
+
+
+def texts(driver, css: str) -> list[str]:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def test_spend_views_in_chromium(dashboard, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    d, url = dashboard, dashboard.url
+    sign_in(browser, url, d.admin_key)
+    last_30 = [s for s in SEEDED if s.ago < 30]
+
+    # the overview: spend per day across all tenants, stacked by tenant, then by model
+    assert browser.find_element(By.ID, "spend-total").text == usd(sum(s.cost_usd for s in last_30))
+    assert set(texts(browser, "#spend-chart .legend li")) == {s.tenant for s in last_30}
+    stacks = {(s.day, s.tenant) for s in last_30 if s.cost_usd > 0}
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#spend-chart rect.segment")) == len(stacks)
+    shot = screenshot(browser, tmp_path / "overview.png")
+    if envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"):
+        shutil.copyfile(shot, envs.get("TOLLGATE_DASHBOARD_SCREENSHOT"))
+    browser.find_element(By.ID, "by-model").click()
+    wait_for(browser, lambda b: set(texts(b, "#spend-chart .legend li")) == {MODEL, BIG})
+    screenshot(browser, tmp_path / "overview-by-model.png")
+
+    # usage by tag, narrowed to one tenant with the filter form
+    browser.find_element(By.LINK_TEXT, "Usage").click()
+    browser.find_element(By.LINK_TEXT, "tag").click()
+    Select(browser.find_element(By.ID, "f-tenant")).select_by_visible_text("globex")
+    browser.find_element(By.ID, "f-apply").click()
+    globex = [s for s in SEEDED if s.tenant == "globex"]
+    expected = {tag: usd(sum(s.cost_usd for s in globex if tag in s.tags)) for tag in ("billing", "batch")}
+    wait_for(browser, lambda b: {r.find_element(By.CLASS_NAME, "group").text: r.find_element(By.CLASS_NAME, "cost").text
+                                 for r in b.find_elements(By.CSS_SELECTOR, "#usage tbody tr")} == expected)
+    screenshot(browser, tmp_path / "usage-by-tag.png")
+
+    # budgets: spent and the reservations of the requests in flight
+    browser.find_element(By.LINK_TEXT, "Budgets").click()
+    ci = browser.find_element(By.ID, f"budget-key-{d.keys['ci']}")
+    assert ci.find_element(By.CLASS_NAME, "reserved-usd").text == "$0.375 (2 requests)"
+    assert ci.find_element(By.CLASS_NAME, "spent-usd").text == usd(
+        sum(s.cost_usd for s in SEEDED if s.key == "ci" and this_month(s)))
+    screenshot(browser, tmp_path / "budgets.png")
+
+    browser.find_element(By.LINK_TEXT, "GPU").click()
+    assert texts(browser, "#gpu tr.gpu-tenant .total") == ["300 s", "249.75 s", "60 s", "50.25 s"]
+    screenshot(browser, tmp_path / "gpu.png")
+
+    browser.find_element(By.LINK_TEXT, "Cache").click()
+    hits = [s for s in SEEDED if s.cache_hit]
+    assert browser.find_element(By.ID, "saved-semantic").text == usd(
+        sum(dollars((s.prompt * 2 + s.completion * 6) / 1_000_000) for s in hits))  # all on big-model
+    screenshot(browser, tmp_path / "cache.png")
+
+    # an invoice line, clicked through to the requests behind it
+    browser.find_element(By.LINK_TEXT, "Invoices").click()
+    Select(browser.find_element(By.ID, "f-tenant")).select_by_visible_text("globex")
+    browser.find_element(By.ID, "f-apply").click()
+    wait_for(browser, lambda b: b.find_element(By.ID, "invoice-tenant").text == "globex")
+    screenshot(browser, tmp_path / "invoice.png")
+    line = browser.find_element(By.CSS_SELECTOR, f'tr.invoice-line[data-kind="output"][data-model="{MODEL}"]')
+    behind = [s for s in globex if s.model == MODEL and not s.cache_hit and this_month(s)]
+    completion = sum(s.completion for s in behind)
+    assert line.find_element(By.CLASS_NAME, "quantity").text == f"{completion:,} tokens"
+    line.find_element(By.CLASS_NAME, "events-link").click()
+    wait_for(browser, lambda b: b.find_element(By.ID, "total-completion").text == f"{completion:,}")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#requests tr.request")
+    assert sorted(r.get_attribute("data-request-id") for r in rows) == sorted(
+        f"seed-{SEEDED.index(s)}" for s in behind)
+    assert Select(browser.find_element(By.ID, "f-tenant")).first_selected_option.text == "globex"
+    assert Select(browser.find_element(By.ID, "f-cache")).first_selected_option.text == "miss"
+    screenshot(browser, tmp_path / "requests.png")
+
+    # the log's own filters: another tenant's failed requests
+    Select(browser.find_element(By.ID, "f-tenant")).select_by_visible_text("initech")
+    Select(browser.find_element(By.ID, "f-model")).select_by_visible_text("any")
+    Select(browser.find_element(By.ID, "f-cache")).select_by_visible_text("any")
+    Select(browser.find_element(By.ID, "f-status")).select_by_visible_text("failed")
+    browser.find_element(By.ID, "f-until").clear()
+    browser.find_element(By.ID, "f-since").clear()
+    browser.find_element(By.ID, "f-apply").click()
+    failed = [s for s in SEEDED if s.tenant == "initech" and s.status == "failed"]
+    wait_for(browser, lambda b: b.find_element(By.ID, "total-requests").text == str(len(failed)))
+    assert texts(browser, "#requests tr.request td:nth-child(7) .state") == ["failed"] * len(failed)

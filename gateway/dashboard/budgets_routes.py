@@ -1,0 +1,42 @@
+"""Budgets: each tenant's and key's monthly budget against what is spent and what the requests in flight
+hold (their reservations' worst cases), from the spend counters that admission itself checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from billing.budget_use import BudgetLine, budget_lines
+from billing.money import amount_text
+from gateway.dashboard.charts import meter
+from gateway.dashboard.exports import export
+from gateway.dashboard.guard import admin_page, admin_session, gateway
+from gateway.dashboard.outage_page import OutagePageRoute
+from gateway.dashboard.query_params import ViewQuery
+from gateway.dashboard.session import AdminSession
+from gateway.dashboard.stats import today_utc
+
+router = APIRouter(route_class=OutagePageRoute)
+COLUMNS = ["month", "scope", "tenant", "key_id", "key_prefix", "key_name", "budget_usd", "spent_usd", "reserved_usd",
+           "in_flight", "left_usd", "used_ratio"]
+
+
+def as_row(month: str, b: BudgetLine) -> dict[str, Any]:
+    return {"month": month, "scope": b.scope, "tenant": b.tenant, "key_id": b.scope_id if b.scope == "key" else None,
+            "key_prefix": b.key_prefix, "key_name": b.key_name, "budget_usd": amount_text(b.budget_usd),
+            "spent_usd": amount_text(b.spent_usd), "reserved_usd": amount_text(b.reserved_usd),
+            "in_flight": b.in_flight, "left_usd": amount_text(b.left_usd), "used_ratio": round(b.used_ratio, 6)}
+
+
+@router.get("/budgets")
+async def budgets(request: Request, session: AdminSession = Depends(admin_session)) -> Response:
+    q = ViewQuery(request, ("month",))
+    month = q.month("month", today_utc().strftime("%Y-%m"))
+    lines = await run_in_threadpool(budget_lines, gateway(request).db, month)
+    if q.format != "html":
+        return export(q.format, f"budgets-{month}", COLUMNS, (as_row(month, b) for b in lines))
+    rows = [(b, meter(b.spent_usd, b.reserved_usd, b.budget_usd)) for b in lines]
+    return admin_page(request, session, "budgets.html", title="Budgets", q=q, month=month, rows=rows)
