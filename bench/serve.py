@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     report["rates"] = [label for label, _ in rates]
     for target in (t for t in args.target_list if t != "offline"):
         report["runs"] += run_target(target, args, fields, requests, warm, rates, report, vocab_size)
+        if args.json:  # what is measured so far survives a later target's failure or timeout
+            args.json.write_text(json.dumps(report, indent=2))
     add_ratios(report)
     print_table(report)
     if args.json:
