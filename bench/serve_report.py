@@ -123,7 +123,7 @@ def latency_chart(runs: list[dict[str, Any]], width: int = 760) -> str:
                     parts.append(f'<polyline points="{path}" fill="none" stroke="{COLORS.get(target, "#555")}" '
                                  f'stroke-width="2"{dash}/>')
     for i, target in enumerate(sorted({r["target"] for r in runs})):
-        parts.append(f'<text x="{50 + i * 110}" y="{height + 30}" fill="{COLORS.get(target, "#555")}">'
+        parts.append(f'<text x="{50 + i * 260}" y="{height + 30}" fill="{COLORS.get(target, "#555")}">'
                      f'{target} (solid p50, dashed p99)</text>')
     parts.append("</svg>")
     return "\n".join(parts)
