@@ -22,6 +22,7 @@ on each other in a cycle (a PostgreSQL deadlock would fail an admission, or a le
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -35,12 +36,12 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, select
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, select
 
 from billing.admission_journal import interrupted_event
 from billing.db import dialect_insert
 from billing.models import GatewayProcess, RateWindow, Reservation, SpendCounter, UsageEvent
-from billing.money import ZERO
+from billing.money import ZERO, Money
 from billing.periods import minute_of, month_of, seconds_to_next_minute
 from billing.scoped_budgets import ScopedLimit
 
@@ -111,68 +112,90 @@ def reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Wo
         return e.refusal
 
 
+class _AdmissionSql:
+    """The statements admission runs for every request, built once per dialect with bound parameters: building
+    and caching a fresh SQLAlchemy statement cost several times what SQLite takes to run it."""
+
+    def __init__(self, db: Engine) -> None:
+        row, w = SpendCounter.__table__.c, RateWindow.__table__.c
+        cost = bindparam("cost", type_=Money())
+        # a counter is created or added to only while it has room: one statement, so each counter's lock is taken
+        # once, in the order the caller runs them
+        take = dialect_insert(db, SpendCounter).values(scope=bindparam("scope"), scope_id=bindparam("scope_id"),
+                                                       period=bindparam("period"), spent_usd=0, reserved_usd=cost)
+        self.take_counter = take.on_conflict_do_update(
+            index_elements=["scope", "scope_id", "period"], set_={"reserved_usd": row.reserved_usd + cost},
+            where=row.spent_usd + row.reserved_usd + cost <= bindparam("budget", type_=Money()),
+        ).returning(row.scope)
+        self.counter = select(row.spent_usd, row.reserved_usd).where(
+            row.scope == bindparam("scope"), row.scope_id == bindparam("scope_id"), row.period == bindparam("period"))
+        tokens = bindparam("tokens")
+        rate = dialect_insert(db, RateWindow).values(api_key_id=bindparam("key"), minute=bindparam("minute"),
+                                                     requests=1, tokens=tokens)
+        upsert = {"requests": w.requests + 1, "tokens": w.tokens + tokens}
+        self.take_rate = {  # by which limits the key has: (rpm, tpm)
+            (has_rpm, has_tpm): rate.on_conflict_do_update(
+                index_elements=["api_key_id", "minute"], set_=upsert,
+                where=and_(*([w.requests < bindparam("rpm")] if has_rpm else []),
+                           *([w.tokens + tokens <= bindparam("tpm")] if has_tpm else [])),
+            ).returning(w.requests, w.tokens)
+            for has_rpm in (False, True) for has_tpm in (False, True) if has_rpm or has_tpm}
+        self.window = select(w.requests, w.tokens).where(w.api_key_id == bindparam("key"),
+                                                         w.minute == bindparam("minute"))
+        self.hold = dialect_insert(db, Reservation)
+
+
+@functools.lru_cache(maxsize=8)
+def _sql(db: Engine) -> _AdmissionSql:
+    return _AdmissionSql(db)
+
+
 def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, model: str, endpoint: str,
              now: float) -> Admitted:
     period, minute = month_of(now), minute_of(now)
     scopes = sorted([(s, i, b, "") for s, i, b in (("tenant", budgets.tenant_id, budgets.tenant_budget_usd),
                                                     ("key", budgets.api_key_id, budgets.key_budget_usd))
                      if b is not None] + [(s.scope, s.id, s.budget_usd, s.name) for s in budgets.scoped])
-    row = SpendCounter.__table__.c
+    sql = _sql(db)
     with db.begin() as conn:
         for scope, scope_id, budget, name in scopes:  # in the one lock order (see the module's docstring)
-            # one statement per counter, creating it or adding to it only while it has room, so that this
-            # transaction, too, takes each counter's lock in that order
-            take = dialect_insert(db, SpendCounter).values(scope=scope, scope_id=scope_id, period=period, spent_usd=0,
-                                                           reserved_usd=worst.cost_usd)
-            take = take.on_conflict_do_update(
-                index_elements=["scope", "scope_id", "period"],
-                set_={"reserved_usd": row.reserved_usd + worst.cost_usd},
-                where=row.spent_usd + row.reserved_usd + worst.cost_usd <= budget,
-            ).returning(row.scope)
-            if worst.cost_usd > budget or conn.execute(take).first() is None:
-                spent, reserved = conn.execute(select(row.spent_usd, row.reserved_usd).where(
-                    row.scope == scope, row.scope_id == scope_id, row.period == period)).first() or (ZERO, ZERO)
+            where = {"scope": scope, "scope_id": scope_id, "period": period}
+            if worst.cost_usd > budget or conn.execute(sql.take_counter, {
+                    **where, "cost": worst.cost_usd, "budget": budget}).first() is None:
+                spent, reserved = conn.execute(sql.counter, where).first() or (ZERO, ZERO)
                 raise _Refused(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0, name))
         admitted = Admitted(0, 0, seconds_to_next_minute(now))
         if budgets.rpm is not None or budgets.tpm is not None:
-            result = _take_rate(conn, db, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
+            result = _take_rate(conn, sql, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
             if isinstance(result, Refusal):
                 raise _Refused(result)
             admitted = result
         held = [[s.scope, s.id] for s in budgets.scoped]
-        conn.execute(dialect_insert(db, Reservation).values(
-            request_id=request_id, owner=owner, tenant_id=budgets.tenant_id, api_key_id=budgets.api_key_id,
-            period=period, tenant_usd=worst.cost_usd if budgets.tenant_budget_usd is not None else None,
-            key_usd=worst.cost_usd if budgets.key_budget_usd is not None else None,
-            scoped_usd=worst.cost_usd if held else None, scoped_holds=held or None,
-            minute=minute if budgets.tpm is not None else None,
-            tokens=worst.tokens if budgets.tpm is not None else None,
-            model=model, endpoint=endpoint, created_at=datetime.fromtimestamp(now, timezone.utc)))
+        conn.execute(sql.hold, {
+            "request_id": request_id, "owner": owner, "tenant_id": budgets.tenant_id,
+            "api_key_id": budgets.api_key_id, "period": period,
+            "tenant_usd": worst.cost_usd if budgets.tenant_budget_usd is not None else None,
+            "key_usd": worst.cost_usd if budgets.key_budget_usd is not None else None,
+            "scoped_usd": worst.cost_usd if held else None, "scoped_holds": held or None,
+            "minute": minute if budgets.tpm is not None else None,
+            "tokens": worst.tokens if budgets.tpm is not None else None,
+            "model": model, "endpoint": endpoint, "created_at": datetime.fromtimestamp(now, timezone.utc)})
     return admitted
 
 
-def _take_rate(conn: Connection, db: Engine, b: Budgets, tokens: int, minute: int, now: float) -> Admitted | Refusal:
+def _take_rate(conn: Connection, sql: _AdmissionSql, b: Budgets, tokens: int, minute: int,
+               now: float) -> Admitted | Refusal:
     retry_after = seconds_to_next_minute(now)
     if b.rpm == 0:
         return Refusal("rpm", "key", 0, 0, 0, 1, retry_after)
     if b.tpm is not None and tokens > b.tpm:
         return Refusal("tpm", "key", b.tpm, 0, 0, tokens, retry_after)
-    w = RateWindow.__table__.c
-    conditions = []
-    if b.rpm is not None:
-        conditions.append(w.requests < b.rpm)
-    if b.tpm is not None:
-        conditions.append(w.tokens + tokens <= b.tpm)
-    stmt = dialect_insert(db, RateWindow).values(api_key_id=b.api_key_id, minute=minute, requests=1, tokens=tokens)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["api_key_id", "minute"],
-        set_={"requests": w.requests + 1, "tokens": w.tokens + tokens},
-        where=and_(*conditions),
-    ).returning(w.requests, w.tokens)
-    got = conn.execute(stmt).first()
+    where = {"key": b.api_key_id, "minute": minute}
+    got = conn.execute(sql.take_rate[(b.rpm is not None, b.tpm is not None)],
+                       {**where, "tokens": tokens, "rpm": b.rpm, "tpm": b.tpm}).first()
     if got is not None:
         return Admitted(got.requests, got.tokens, retry_after)
-    used = conn.execute(select(w.requests, w.tokens).where(w.api_key_id == b.api_key_id, w.minute == minute)).one()
+    used = conn.execute(sql.window, where).one()
     if b.rpm is not None and used.requests >= b.rpm:
         return Refusal("rpm", "key", b.rpm, used.requests, 0, 1, retry_after)
     return Refusal("tpm", "key", b.tpm or 0, used.tokens, 0, tokens, retry_after)
