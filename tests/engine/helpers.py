@@ -66,3 +66,20 @@ def smollm2_tokenizer():
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.from_source(smollm2_gguf_path())
+
+
+def write_tiny_model_with_smollm2_tokenizer(tmp_path) -> str:
+    """A tiny random llama whose vocabulary is SmolLM2's (49,152 rows), with SmolLM2's tokenizer saved beside it:
+    a model as quick as the other tiny ones that writes real tokens (structured outputs need a tokenizer whose
+    every token the model can write)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = smollm2_tokenizer()
+    config = LlamaConfig(**{**_TINY, "vocab_size": tokenizer.vocab_size}, tie_word_embeddings=True,
+                         rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = os.path.join(str(tmp_path), "tiny-llama-smollm2-vocab")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.hf.save_pretrained(out)
+    return out
