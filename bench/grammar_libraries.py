@@ -204,10 +204,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
 
-    from engine.loader import resolve_model_source
+    from engine.loader import resolve_tokenizer_source
     from engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_source(resolve_model_source(args.tokenizer))
+    tokenizer = Tokenizer.from_source(resolve_tokenizer_source(args.tokenizer))
     vocab, eos = tokenizer.vocab_size, min(tokenizer.eos_token_ids)
     torch.set_num_threads(1)
     result: dict[str, Any] = {"tokenizer": args.tokenizer, "vocab_size": vocab, "threads": args.threads,

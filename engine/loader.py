@@ -59,7 +59,7 @@ def resolve_model_source(source: str) -> str:
 def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
                tokenizer_source: str | None = None) -> LoadedModel:
     resolved = resolve_model_source(source)
-    tokenizer_path = _resolve_tokenizer_source(tokenizer_source) if tokenizer_source else None
+    tokenizer_path = resolve_tokenizer_source(tokenizer_source) if tokenizer_source else None
     quantization = None
     if resolved.startswith(_RANDOM_PREFIX):
         config = random_model_config(resolved[len(_RANDOM_PREFIX):])
@@ -79,7 +79,7 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
                        quantization=quantization)
 
 
-def _resolve_tokenizer_source(source: str) -> str:
+def resolve_tokenizer_source(source: str) -> str:
     """A tokenizer comes from anything a model does, or from a directory that holds only a tokenizer (such as one
     saved with save_pretrained, to run a random model with a real vocabulary)."""
     path = os.path.abspath(os.path.expanduser(source)) if isinstance(source, str) else ""

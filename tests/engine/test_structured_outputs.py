@@ -15,7 +15,7 @@ import pytest
 from bench.json_schemas import CASES
 from engine import LLM, SamplingParams
 from engine.structured_outputs import StructuredOutputs
-from tests.engine.helpers import write_tiny_model_with_smollm2_tokenizer
+from tests.engine.helpers import write_byte_level_tokenizer, write_tiny_model_with_smollm2_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -237,3 +237,22 @@ def test_compiled_grammars_are_cached_by_hash(llm: LLM) -> None:
     llm.generate([PROMPT, PROMPT[:5]], [SamplingParams(max_tokens=20, structured_outputs={"json": schema}),
                                         SamplingParams(max_tokens=20, structured_outputs={"json": json.dumps(schema)})])
     assert (grammars.hits - hits, grammars.misses - misses) == (1, 1)  # the same schema, as a dict and as text
+
+
+@pytest.mark.gpu
+def test_masks_on_cuda_keep_every_document_valid(tmp_path) -> None:
+    """The Triton mask kernel, pinned copies and CUDA graphs, with async scheduling: random:llama-tiny with a
+    byte-level tokenizer (no package needed on the GPU machine) writes valid documents beside free requests."""
+    llm = LLM("random:llama-tiny", tokenizer=write_byte_level_tokenizer(tmp_path), device="cuda", max_model_len=512)
+    assert llm.engine.overlap
+    params = [*(constrained(name, temperature=t, seed=i, max_tokens=300) for i, name in enumerate(SCHEMAS)
+                for t in (0, 0.9)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
+    outs = llm.generate([PROMPT[: 2 + i % 6] for i in range(len(params))], params)
+    stopped = 0
+    for p, out in zip(params, outs):
+        c = out.outputs[0]
+        if p.structured_outputs is not None and c.finish_reason == "stop":
+            check_valid(p.structured_outputs.json, c.text)
+            stopped += 1
+    assert stopped >= len(SCHEMAS) and len(outs[-1].outputs[0].token_ids) == 50
+    assert llm.engine.grammars.num_live == 0 and llm.engine.runner.token_masker.rows > 0
