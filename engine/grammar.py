@@ -134,7 +134,12 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self) -> Any:
-        return _ll_tokenizer(self._tokenizer, self.vocab_size, tuple(self._eos))
+        # a model's own end-of-sequence ids may lie past a borrowed tokenizer's vocabulary: the grammar ends with
+        # the ones the tokenizer has
+        eos = tuple(t for t in self._eos if t < self._tokenizer.vocab_size)
+        if not eos:
+            raise ValueError("this model's tokenizer has none of its end-of-sequence tokens")
+        return _ll_tokenizer(self._tokenizer, self.vocab_size, eos)
 
     @property
     def mask_words(self) -> int:
@@ -158,8 +163,12 @@ class GrammarCompiler:
             raise ValueError(f"{spec.field}: this model's tokenizer has more tokens ({self._tokenizer.vocab_size}) "
                              f"than the model has vocabulary rows ({self.vocab_size}), so its outputs cannot be "
                              "constrained")
-        text = check(spec, self.ll_tokenizer)
-        template = _llguidance().LLMatcher(self.ll_tokenizer, text, log_level=0)
+        try:
+            ll_tokenizer = self.ll_tokenizer
+        except ValueError as e:
+            raise ValueError(f"{spec.field}: {e}") from e
+        text = check(spec, ll_tokenizer)
+        template = _llguidance().LLMatcher(ll_tokenizer, text, log_level=0)
         if template.is_error():
             raise ValueError(f"{spec.field}: {_message(template.get_error())}")
         self.misses += 1

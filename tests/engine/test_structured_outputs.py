@@ -171,6 +171,22 @@ def test_combinations_the_engine_cannot_serve_are_refused(tiny) -> None:
     assert not speculative.engine.has_unfinished_requests()
 
 
+def test_a_borrowed_tokenizer_ends_grammars_with_its_own_end_of_sequence(tmp_path) -> None:
+    """random:llama-1b with SmolLM2's tokenizer has end-of-sequence 128001 (the model's) and 2 (the tokenizer's):
+    the grammar can only end with the one the tokenizer has."""
+    from engine.grammar import GrammarCompiler
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(write_byte_level_tokenizer(tmp_path))
+    grammars = GrammarCompiler(tokenizer, 512, frozenset({2, 400}))
+    matcher = grammars.new_matcher(grammars.compile(StructuredOutputs(choice=["ok"])))
+    assert matcher.matcher.consume_tokens(tokenizer.encode("ok", add_special_tokens=False) + [2])
+    assert matcher.matcher.is_stopped()
+    alone = GrammarCompiler(tokenizer, 512, frozenset({400}))
+    with pytest.raises(ValueError, match="^structured_outputs.choice: .*none of its end-of-sequence tokens"):
+        alone.compile(StructuredOutputs(choice=["ok"]))
+
+
 def test_a_document_too_long_for_max_tokens_ends_for_length(llm: LLM) -> None:
     out = llm.generate([PROMPT], constrained("employee", temperature=0, max_tokens=6))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6 and out.text.startswith("{")
