@@ -102,18 +102,25 @@ class SequenceGrammar:
         self.mask_words = mask_words  # int32 words of one mask row
         self.rejected = False  # a token outside the grammar was read (never, while masks are applied)
 
-    def catch_up(self, seq: Sequence) -> None:
-        """Consumes the output tokens read since the last call (up to a placeholder still on the device)."""
-        start = seq.num_prompt_tokens + self.num_consumed
-        for token in seq.token_ids[start:]:
-            if token == PENDING_TOKEN:
-                break
-            if not self.matcher.consume_token(token) and not self.rejected:
-                # from an error state only end-of-sequence is allowed: the sequence stops at its next token
-                self.rejected = True
-                log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token,
-                            _message(self.matcher.get_error()))
-            self.num_consumed += 1
+    def new_tokens(self, seq: Sequence) -> list[int]:
+        """The output tokens read since the matcher last consumed (up to a placeholder still on the device)."""
+        new = seq.token_ids[seq.num_prompt_tokens + self.num_consumed:]
+        if PENDING_TOKEN in new:
+            new = new[: new.index(PENDING_TOKEN)]
+        return new
+
+    def consume(self, seq: Sequence, tokens: list[int]) -> None:
+        for token in tokens:
+            self.consumed(seq, token, self.matcher.consume_token(token))
+
+    def consumed(self, seq: Sequence, token: int, accepted: bool) -> None:
+        """Books one token the matcher has consumed (accepted: it was inside the grammar)."""
+        self.num_consumed += 1
+        if not accepted and not self.rejected:
+            # from an error state only end-of-sequence is allowed: the sequence stops at its next token
+            self.rejected = True
+            log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token,
+                        _message(self.matcher.get_error()))
 
 
 class GrammarCompiler:

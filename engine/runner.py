@@ -193,7 +193,9 @@ class ModelRunner:
             logits = self._constrained(step.logits, step.seqs)
             tokens = self.sampler.token_tensor(logits, self._sampling_rows(step.seqs),
                                                self.token_masker.for_step(step.seqs))
-            return DeferredTokens(tokens, step.seqs)
+            deferred = DeferredTokens(tokens, step.seqs)
+            self.token_masker.start_ahead(deferred)  # the next step's masks, in a worker, once these reach the host
+            return deferred
         if step.path is TokenPath.SPECULATIVE:
             return self._verify_drafts(step.logits, step.seqs)
         return self._sample(step.logits, step.seqs)
