@@ -281,3 +281,14 @@ def test_masks_on_cuda_keep_every_document_valid(tmp_path) -> None:
     assert stopped >= len(SCHEMAS) and len(outs[-1].outputs[0].token_ids) == 50
     llm.engine.runner.token_masker.wait()
     assert llm.engine.grammars.num_live == 0 and llm.engine.runner.token_masker.rows_ahead > 0
+
+
+def test_tensor_parallel_greedy_steps_with_a_grammar_sample_the_full_logits(tiny) -> None:
+    """Two ranks pick greedy tokens on their vocabulary shards only when no sequence of the step is constrained:
+    the constrained greedy outputs under tensor parallelism equal one rank's."""
+    params = [constrained("event", temperature=0), constrained("matrix", temperature=0),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    prompts = [PROMPT, PROMPT[:5], PROMPT[:6]]
+    expected = [[c.token_ids for c in o.outputs] for o in tiny().generate(prompts, params)]
+    with tiny(tensor_parallel_size=2) as sharded:
+        assert [[c.token_ids for c in o.outputs] for o in sharded.generate(prompts, params)] == expected
