@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# a constraint's text at most (a schema as compact JSON, the choices, the regex or grammar): compiling one is CPU
+# work on the engine's thread, and OpenAI's own bound on a schema's names and values is 120,000 characters
+MAX_CHARS = 100_000
 
 
 @dataclass
@@ -52,6 +55,9 @@ class StructuredOutputs:
             self.choice = list(value)
         elif not isinstance(value, str) or not value.strip():
             raise ValueError(f"{where}: must be a non-empty string")
+        size = len(value) if isinstance(value, str) else len(json.dumps(getattr(self, kind), separators=(",", ":")))
+        if size > MAX_CHARS:
+            raise ValueError(f"{where}: at most {MAX_CHARS} characters, got {size}")
 
     @property
     def kind(self) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from engine.config import SamplingParams
 from engine.grammar import check as check_constraint
 from engine.structured_outputs import StructuredOutputs
@@ -41,8 +43,8 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
 
 
 def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-    """The one constraint the request's output must match, checked by llguidance (no tokenizer needed): a bad
-    schema, regex or grammar is a 400 naming the field the client sent, before anything is admitted or run."""
+    """The one constraint the request's output must match, its shape checked (check_structured_outputs compiles
+    it)."""
     for name in UNSUPPORTED_VLLM_FIELDS:
         if getattr(body, name) is not None:
             raise invalid_request(f"{name}: not supported by this server", name)
@@ -68,10 +70,18 @@ def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> Struc
     if len(given) > 1:
         raise invalid_request(f"{given[1].field.split('.')[0]}: only one of response_format, structured_outputs "
                               "and guided_* may constrain a request", given[1].field.split(".")[0])
-    if not given:
-        return None
-    check_constraint(given[0])
-    return given[0]
+    return given[0] if given else None
+
+
+async def check_structured_outputs(params: SamplingParams) -> None:
+    """llguidance checks the constraint (no tokenizer needed) in a worker thread, off the event loop: a bad schema,
+    regex or grammar is a 400 naming the field the client sent, before anything is admitted or run."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await run_in_threadpool(check_constraint, params.structured_outputs)
+    except ValueError as e:
+        raise value_error(e) from e
 
 
 def value_error(e: ValueError) -> APIError:

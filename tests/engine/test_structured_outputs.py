@@ -143,6 +143,8 @@ def test_each_kind_of_constraint_is_followed(llm: LLM, structured: dict, matches
     ({"grammar": 'root ::= "a" [0-9'}, "structured_outputs.grammar", "end of input"),
     ({"grammar": "start: missing_rule"}, "structured_outputs.grammar", "missing_rule"),
     ({"choice": []}, "structured_outputs.choice", "non-empty"),
+    ({"choice": [f"option {i}" for i in range(12_000)]}, "structured_outputs.choice", "at most 100000 characters"),
+    ({"json": {"enum": ["x" * 100_000]}}, "structured_outputs.json", "at most 100000 characters"),
     ({"choice": ["a", ""]}, "structured_outputs.choice", "non-empty"),
     ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one"),
     ({"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern", "not supported"),

@@ -131,3 +131,4 @@ def test_a_bad_constraint_is_a_400_naming_its_field_before_admission(server, ten
     server.gateway.ledger.flush(10)
     with Session(shared_db) as s:
         assert s.scalar(select(func.count()).select_from(UsageEvent)) == before  # nothing ran, nothing billed
+
