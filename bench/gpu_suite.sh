@@ -60,6 +60,11 @@ step int4_batched_8b 90 "$PY" -m bench.int4_batched_decode --model random:llama-
   --json "$RESULTS/int4_batched_8b.json"
 step spec_decode_8b 90 "$PY" -m bench.spec_decode --mode oracle --model random:llama-8b --device cuda -k 4 \
   --output-len 128 --max-model-len 4096 --max-num-seqs 8 --json "$RESULTS/spec_decode_8b.json"
+# structured outputs need llguidance's wheel and a tokenizer (python -m bench.structured --export-tokenizer), carried
+if [[ -d .bench-tokenizer ]] && "$PY" -c "import llguidance" 2>/dev/null; then
+  step structured_1b 90 "$PY" -m bench.structured --model random:llama-1b --tokenizer .bench-tokenizer --device cuda \
+    --batch 64 --repeats 2 --out "$RESULTS/structured_1b.json"
+fi
 if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   step allreduce 40 "$PY" -m bench.allreduce_latency --json "$RESULTS/allreduce.json"
   step decode_8b_tp2 90 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda --tensor-parallel-size 2 \

@@ -30,6 +30,13 @@ ANSWER_FIELDS = (
     "n",
     "logprobs",
     "top_logprobs",
+    # structured outputs: an answer constrained to a schema (or not) never serves a request that asks otherwise
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 

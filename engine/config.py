@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from engine.structured_outputs import StructuredOutputs
+
 if TYPE_CHECKING:
     from engine.spec_decode.config import SpeculativeConfig
 
@@ -149,8 +151,15 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # number of top alternatives; 0 returns only the chosen token's
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, a regex, a choice or a grammar (engine/grammar.py); a dict is read as
+    # StructuredOutputs' fields
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
+            _require(self.min_tokens == 0, "min_tokens",
+                     "cannot be combined with structured_outputs: the grammar decides where the output may end")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig, SamplingParams
 from engine.deferred_tokens import DeferredTokens, drop_pending_token
 from engine.errors import PromptTooLongError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.workers import TensorParallelWorkers
@@ -73,6 +74,7 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         self.eos_token_ids = built.eos_token_ids
         self.runner = built.runner
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.metrics = EngineMetrics()
@@ -114,6 +116,7 @@ class LLMEngine:
             raise ValueError("params: must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        grammar = self._compile_grammar(params)
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
@@ -128,12 +131,25 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device, cache_salt)
             seq.max_num_tokens = longest
+            if grammar is not None:
+                seq.grammar = self.grammars.new_matcher(grammar)
             seqs.append(seq)
         state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(arrival, num_prompt_tokens=len(ids)),
                              stream, account)
         self.output_processor.add_request(state)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured request (cached by its hash), None for others; a ValueError naming
+        the field when the constraint cannot be compiled or served."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.speculator is not None:
+            raise ValueError(f"{spec.field}: structured outputs are not supported with speculative decoding "
+                             "(this model's speculative_config); serve the model without it to constrain outputs")
+        return self.grammars.compile(spec)
 
     def abort_request(self, request_id: str, as_delta: bool = False) -> RequestOutput | Delta | None:
         """Stops the request and frees its blocks; its last output (a Delta with as_delta), None if unknown."""

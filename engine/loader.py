@@ -59,7 +59,7 @@ def resolve_model_source(source: str) -> str:
 def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
                tokenizer_source: str | None = None) -> LoadedModel:
     resolved = resolve_model_source(source)
-    tokenizer_path = resolve_model_source(tokenizer_source) if tokenizer_source else None
+    tokenizer_path = resolve_tokenizer_source(tokenizer_source) if tokenizer_source else None
     quantization = None
     if resolved.startswith(_RANDOM_PREFIX):
         config = random_model_config(resolved[len(_RANDOM_PREFIX):])
@@ -70,20 +70,33 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
         from engine.gguf_loader import load_gguf
 
         config, weights = load_gguf(resolved, device, dtype)
-    tokenizer = _tokenizer(resolved, tokenizer_path)
+    tokenizer = _tokenizer(resolved, tokenizer_path, tokenizer_source)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved,
                        quantization=quantization)
 
 
 def load_tokenizer(source: str, tokenizer_source: str | None = None) -> Tokenizer | None:
     """The tokenizer load_model would give the model, without its weights (a serving front tokenizes itself)."""
-    return _tokenizer(resolve_model_source(source), resolve_model_source(tokenizer_source) if tokenizer_source else None)
+    return _tokenizer(resolve_model_source(source),
+                      resolve_tokenizer_source(tokenizer_source) if tokenizer_source else None, tokenizer_source)
 
 
-def _tokenizer(resolved: str, tokenizer_path: str | None) -> Tokenizer | None:
+def _tokenizer(resolved: str, tokenizer_path: str | None, tokenizer_source: str | None) -> Tokenizer | None:
     if tokenizer_path is None and not resolved.startswith(_RANDOM_PREFIX):
         tokenizer_path = resolved
-    return Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
+    tokenizer = Tokenizer.from_source(tokenizer_path) if tokenizer_path else None
+    if tokenizer_source and tokenizer is None:
+        raise ValueError(f"tokenizer: {tokenizer_source} holds no tokenizer")
+    return tokenizer
+
+
+def resolve_tokenizer_source(source: str) -> str:
+    """A tokenizer comes from anything a model does, or from a directory that holds only a tokenizer (such as one
+    saved with save_pretrained, to run a random model with a real vocabulary)."""
+    path = os.path.abspath(os.path.expanduser(source)) if isinstance(source, str) else ""
+    if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    return resolve_model_source(source)
 
 
 def read_model_config(source: str) -> ModelConfig:

@@ -30,6 +30,7 @@ from engine.sampler import Sampler, SamplingRow, suppress_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SampledToken, Sequence
 from engine.spec_decode.rejection_sampler import rejection_sample
+from engine.token_mask import TokenMasker
 from engine.transfer import to_device
 from kernels.kv_layout import new_kv_cache
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        self.token_masker = TokenMasker(device)  # structured outputs' masks, filled when a step samples
         # the last step's greedy tokens when every rank picked them (forward_greedy), else None
         self.picked_tokens: torch.Tensor | None = None
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -189,7 +191,11 @@ class ModelRunner:
             return step.tokens
         if step.path is TokenPath.DEFERRED:
             logits = self._constrained(step.logits, step.seqs)
-            return DeferredTokens(self.sampler.token_tensor(logits, self._sampling_rows(step.seqs)), step.seqs)
+            tokens = self.sampler.token_tensor(logits, self._sampling_rows(step.seqs),
+                                               self.token_masker.for_step(step.seqs))
+            deferred = DeferredTokens(tokens, step.seqs)
+            self.token_masker.start_ahead(deferred)  # the next step's masks, in a worker, once these reach the host
+            return deferred
         if step.path is TokenPath.SPECULATIVE:
             return self._verify_drafts(step.logits, step.seqs)
         return self._sample(step.logits, step.seqs)
@@ -212,12 +218,12 @@ class ModelRunner:
     def picks_greedy_on_shards(self, seqs: list[Sequence]) -> bool:
         """Whether forward_greedy serves these sequences: tensor parallelism (with one rank the logits are not
         gathered anyway) with config.tp_greedy_on_shards and, for each, the plain argmax of its logits: greedy, no
-        penalties, no logprobs, no draft tokens, no tokens banned short of min_tokens."""
+        penalties, no logprobs, no draft tokens, no tokens banned short of min_tokens, no grammar."""
         if self.tp.size == 1 or not self.config.tp_greedy_on_shards:
             return False
         return all(
             seq.params.temperature == 0.0 and not _uses_penalties(seq.params) and seq.params.logprobs is None
-            and not seq.spec_token_ids and seq.num_output_tokens >= seq.params.min_tokens
+            and not seq.spec_token_ids and seq.num_output_tokens >= seq.params.min_tokens and seq.grammar is None
             for seq in seqs
         )
 
@@ -316,7 +322,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         if not seqs:
             return []
-        out = self.sampler(self._constrained(logits, seqs), self._sampling_rows(seqs))
+        out = self.sampler(self._constrained(logits, seqs), self._sampling_rows(seqs),
+                           self.token_masker.for_step(seqs))
         logprobs = out.logprobs or [None] * len(seqs)
         return [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, logprobs)]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ import kernels as ops
 from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
 from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.token_mask import TokenBitmask
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties", "processed_probs", "sample_from_probs",
            "suppress_tokens"]
@@ -181,10 +185,15 @@ def _logprobs(raw_logits: torch.Tensor, token_ids: list[int], params: Sequence[S
 
 
 class Sampler:
-    def token_tensor(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """One token id per row, left on the logits' device (nothing waits for the GPU)."""
+    def token_tensor(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                     bitmask: TokenBitmask | None = None) -> torch.Tensor:
+        """One token id per row, left on the logits' device (nothing waits for the GPU). `bitmask`: the structured
+        outputs' masks of some rows, applied to the logits in place first (so the logprobs of those rows are over
+        the tokens their grammar allows)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected shape [{len(rows)}, V], got {tuple(logits.shape)}")
+        if bitmask is not None:
+            ops.apply_token_bitmask_(logits, bitmask.words, bitmask.rows)
         params = [r.params for r in rows]
         if any(_uses_penalties(p) for p in params):
             adjusted = apply_penalties(logits, rows)
@@ -200,8 +209,9 @@ class Sampler:
             tokens[index] = _sample(adjusted[index].float(), [rows[i] for i in sampled])
         return tokens
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        token_ids: list[int] = self.token_tensor(logits, rows).tolist()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
+        token_ids: list[int] = self.token_tensor(logits, rows, bitmask).tolist()
         params = [r.params for r in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
         return SamplerOutput(

@@ -52,6 +52,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.grammar = None
         seq.status = SequenceStatus.FINISHED
 
     def _fit_draft_tokens(self, seq: Sequence, budget: int, has_room: bool) -> tuple[int, bool]:

@@ -14,6 +14,7 @@ from engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.grammar import SequenceGrammar
 
 _counter = itertools.count()
 
@@ -77,6 +78,8 @@ class Sequence:
         self.pending_row = -1
         # tokens at which it stops for length (max_tokens or the model's context); set by the engine
         self.max_num_tokens: int | None = None
+        # structured outputs: the matcher its next tokens are masked by; set by the engine, dropped when it finishes
+        self.grammar: SequenceGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -39,6 +39,34 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class _Closed(_Body):
+    """A nested object whose unknown keys are refused (400 naming them), not dropped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JSONSchemaFormat(_Closed):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Closed):
+    """vLLM's extra `structured_outputs` parameter (exactly one key)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(_Body):
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -58,6 +86,18 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    # (gateway/sampling.py turns them into one engine constraint)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM options this gateway does not honour: declared so that sending one is a 400, not silently dropped
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
 
     @model_validator(mode="before")
     @classmethod

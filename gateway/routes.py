@@ -20,7 +20,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import RouteDecision
-from gateway.sampling import to_sampling_params
+from gateway.sampling import check_structured_outputs, to_sampling_params
 from gateway.service import Call, Gateway
 from gateway.sse import EventStreamResponse
 
@@ -146,6 +146,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
     call: Call | None = None
     try:
         params = to_sampling_params(body)
+        await check_structured_outputs(params)
         backend = gw.backend_for(model)
         if gw.needs_admission(p):
             worst = gw.worst_case(model, backend, prompt_tokens_bound, params.max_tokens, params.n)

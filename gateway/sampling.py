@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from engine.config import SamplingParams
+from engine.grammar import check as check_constraint
+from engine.structured_outputs import StructuredOutputs
 from gateway.errors import APIError, invalid_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_STOP = 4
+UNSUPPORTED_VLLM_FIELDS = ("guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
 
 
 def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -31,7 +36,50 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
         if value is not None:
             fields[name] = value
     try:
+        fields["structured_outputs"] = structured_outputs(body)
         return SamplingParams(**fields)
+    except ValueError as e:
+        raise value_error(e) from e
+
+
+def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+    """The one constraint the request's output must match, its shape checked (check_structured_outputs compiles
+    it)."""
+    for name in UNSUPPORTED_VLLM_FIELDS:
+        if getattr(body, name) is not None:
+            raise invalid_request(f"{name}: not supported by this server", name)
+    given: list[StructuredOutputs] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(StructuredOutputs(json_object=True, field_name="response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise invalid_request("response_format.json_schema: required when type is json_schema",
+                                  "response_format.json_schema")
+        if fmt.json_schema.schema_ is None:
+            raise invalid_request("response_format.json_schema.schema: required", "response_format.json_schema.schema")
+        given.append(StructuredOutputs(json=fmt.json_schema.schema_, field_name="response_format.json_schema.schema"))
+    if body.structured_outputs is not None:
+        extra = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given.append(StructuredOutputs.of(extra))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            given.append(StructuredOutputs(**{kind: value, "field_name": name}))
+    if len(given) > 1:
+        raise invalid_request(f"{given[1].field.split('.')[0]}: only one of response_format, structured_outputs "
+                              "and guided_* may constrain a request", given[1].field.split(".")[0])
+    return given[0] if given else None
+
+
+async def check_structured_outputs(params: SamplingParams) -> None:
+    """llguidance checks the constraint (no tokenizer needed) in a worker thread, off the event loop: a bad schema,
+    regex or grammar is a 400 naming the field the client sent, before anything is admitted or run."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await run_in_threadpool(check_constraint, params.structured_outputs)
     except ValueError as e:
         raise value_error(e) from e
 

@@ -21,6 +21,7 @@ from tollgate import envs
 
 __all__ = [
     "add_rms_norm",
+    "apply_token_bitmask_",
     "argmax",
     "argmax_candidates",
     "decode_attention",
@@ -64,6 +65,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("prefill", "prefill_attention"),
                 ("rotary", "rotary"),
                 ("rotary_store", "rotary_store"),
+                ("token_bitmask", "token_bitmask"),
             ]
         }
     except ImportError:
@@ -107,6 +109,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ops := _triton_for(x):
         return ops.argmax.argmax(x)
     return _ref.argmax(x)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: logits[rows[k], j] = -inf in place wherever bit j of words[k] (int32 [K, W]) is 0; the
+    other rows are left alone."""
+    if ops := _triton_for(logits):
+        return ops.token_bitmask.apply_token_bitmask_(logits, words, rows)
+    return _ref.apply_token_bitmask_(logits, words, rows)
 
 
 def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Data formats the engine and the kernels share: the staged decode step a CUDA graph unpacks, int4 weights packed
-eight to an int32, and the argmax candidates that tensor-parallel ranks exchange."""
+eight to an int32, the argmax candidates that tensor-parallel ranks exchange, and structured outputs' token masks."""
 
 from __future__ import annotations
 
@@ -62,3 +62,18 @@ def check_candidate_inputs(x: torch.Tensor, offset: int, width: int) -> None:
 def check_candidates(candidates: torch.Tensor) -> None:
     if candidates.dim() != 4 or candidates.shape[-1] != 2:
         raise ValueError(f"pick_argmax_candidate: candidates [S, N, C, 2] expected, got {tuple(candidates.shape)}")
+
+
+# ---- structured outputs' token masks (engine/token_mask.py fills them, kernels/token_bitmask.py applies them) -----
+
+def check_token_bitmask(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> None:
+    """words [K, W] int32: bit j of word w allows token 32 * w + j in logits row rows[k]; tokens past 32 * W are
+    not allowed."""
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(1) != 1:
+        raise ValueError(f"apply_token_bitmask_: float logits [N, V] with unit column stride expected, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    if words.dim() != 2 or words.dtype != torch.int32 or rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"apply_token_bitmask_: words [K, W] int32 and rows [K] int64 expected, got "
+                         f"{words.dtype} {tuple(words.shape)} and {rows.dtype} {tuple(rows.shape)}")
+    if words.shape[0] != rows.shape[0] or words.device != logits.device or rows.device != logits.device:
+        raise ValueError("apply_token_bitmask_: one words row per row index, all on the logits' device")

@@ -23,6 +23,7 @@ from kernels.formats import (
     check_candidate_inputs,
     check_candidates,
     check_step_buffers,
+    check_token_bitmask,
     step_tables_offset,
     unpack_int4,
 )
@@ -55,6 +56,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax: logits [N, V] with V > 0 expected, got shape {tuple(x.shape)}")
     return x.argmax(dim=-1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> None:
+    """Sets logits[rows[k], j] = -inf in place wherever bit j of words[k] is 0 (or j is past the words)."""
+    check_token_bitmask(logits, words, rows)
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def check_embedding_inputs(ids: torch.Tensor, weight: torch.Tensor) -> None:

@@ -41,6 +41,20 @@ def test_namespace_separates_everything_that_changes_the_answer():
     assert namespace_for_request("t1", "small", req(stream=True, user="u9")).namespace == base
 
 
+def test_structured_output_fields_separate_namespaces():
+    base = namespace_for_request("t1", "small", req()).namespace
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    variants = [req(response_format={"type": "json_object"}),
+                req(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}),
+                req(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {**schema,
+                                                                                                  "required": ["a"]}}}),
+                req(structured_outputs={"regex": "a+"}), req(structured_outputs={"regex": "b+"}),
+                req(guided_json=schema), req(guided_regex="a+"), req(guided_choice=["x", "y"]),
+                req(guided_grammar='root ::= "x"')]
+    keys = {namespace_for_request("t1", "small", v).namespace for v in variants}
+    assert len(keys) == len(variants) and base not in keys
+
+
 def test_earlier_turns_are_hashed_exactly():
     turns = [{"role": "user", "content": "Pick a city."}, {"role": "assistant", "content": "Paris."},
              {"role": "user", "content": "How big is it?"}]

