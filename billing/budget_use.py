@@ -1,15 +1,15 @@
 """Budgets against what is spent this month, read from the spend counters the ledger keeps (one indexed
-lookup per budget, no scan of usage events): each budgeted tenant's use for /metrics, and every tenant's
-and key's budget with the reservations of the requests in flight for the dashboard."""
+lookup per budget, no scan of usage events): each budgeted tenant's use for /metrics, and every tenant's,
+key's, end user's and tag's budget with the reservations of the requests in flight for the dashboard."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlalchemy import Engine, Float, and_, cast, func, null, select
+from sqlalchemy import JSON, Engine, Float, and_, cast, column, func, null, select, true
 
-from billing.models import ApiKey, Reservation, SpendCounter, Tenant
+from billing.models import ApiKey, Reservation, ScopedBudget, SpendCounter, Tenant
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,15 @@ def tenant_budget_use(engine: Engine, month: str, limit: int = 500) -> list[Budg
 
 @dataclass(frozen=True)
 class BudgetLine:
-    """One monthly budget (a tenant's or a key's) with what is spent and what admitted requests still hold."""
+    """One monthly budget (a tenant's, a key's, or a tenant's end user's or tag's) with what is spent and what
+    admitted requests still hold."""
 
-    scope: str  # tenant | key
-    scope_id: int
+    scope: str  # tenant | key | user | tag
+    scope_id: int  # Tenant.id, ApiKey.id or ScopedBudget.id
     tenant: str
     key_prefix: str | None  # key budgets
     key_name: str | None
+    name: str | None  # the end user's or the tag's (user and tag budgets)
     budget_usd: Decimal
     spent_usd: Decimal
     reserved_usd: Decimal  # the worst cases of requests in flight (billing/reservations.py)
@@ -63,11 +65,15 @@ class BudgetLine:
         return float(held / self.budget_usd) if self.budget_usd > 0 else 1.0
 
 
+SCOPE_ORDER = ("tenant", "key", "user", "tag")
+
+
 def budget_lines(engine: Engine, month: str) -> list[BudgetLine]:
-    """Every budget of a tenant, and of a key not revoked, in `month` (YYYY-MM), most used first."""
-    lines = [_lines(engine, month, "tenant"), _lines(engine, month, "key")]
+    """Every budget of a tenant, of a key not revoked, and of a tenant's end user or tag, in `month` (YYYY-MM),
+    most used first."""
+    lines = [_lines(engine, month, "tenant"), _lines(engine, month, "key"), _scoped_lines(engine, month)]
     return sorted((line for part in lines for line in part),
-                  key=lambda b: (-b.used_ratio, b.scope != "tenant", b.tenant, b.key_prefix or ""))
+                  key=lambda b: (-b.used_ratio, SCOPE_ORDER.index(b.scope), b.tenant, b.key_prefix or "", b.name or ""))
 
 
 def _lines(engine: Engine, month: str, scope: str) -> list[BudgetLine]:
@@ -88,4 +94,31 @@ def _lines(engine: Engine, month: str, scope: str) -> list[BudgetLine]:
          .outerjoin(c, and_(c.scope == scope, c.scope_id == sid, c.period == month))
          .outerjoin(flying, flying.c.sid == sid))
     with engine.connect() as conn:
-        return [BudgetLine(scope, i, t, p, n, b, s, h, int(f)) for i, t, p, n, b, s, h, f in conn.execute(q)]
+        return [BudgetLine(scope, i, t, p, n, None, b, s, h, int(f)) for i, t, p, n, b, s, h, f in conn.execute(q)]
+
+
+def _scoped_lines(engine: Engine, month: str) -> list[BudgetLine]:
+    b, c = ScopedBudget, SpendCounter
+    flying = _scoped_in_flight(engine.dialect.name, month)
+    q = (select(b.scope, b.id, Tenant.name, b.name, b.budget_usd, func.coalesce(c.spent_usd, 0),
+                func.coalesce(c.reserved_usd, 0), func.coalesce(flying.c.n, 0))
+         .join(Tenant, Tenant.id == b.tenant_id)
+         .outerjoin(c, and_(c.scope == b.scope, c.scope_id == b.id, c.period == month))
+         .outerjoin(flying, and_(flying.c.scope == b.scope, flying.c.sid == b.id)))
+    with engine.connect() as conn:
+        return [BudgetLine(scope, i, t, None, None, n, budget, s, h, int(f))
+                for scope, i, t, n, budget, s, h, f in conn.execute(q)]
+
+
+def _scoped_in_flight(dialect: str, month: str):  # type: ignore[no-untyped-def]
+    """(scope, sid, n): how many reservations of `month` hold against each end-user or tag budget, from each
+    reservation's `scoped_holds` ([[scope, ScopedBudget.id], ...]) taken apart in SQL."""
+    r = Reservation
+    each = "json_array_elements" if dialect == "postgresql" else "json_each"
+    holds = getattr(func, each)(r.scoped_holds).table_valued(column("value", JSON))
+    scope, sid = holds.c.value[0].as_string(), holds.c.value[1].as_integer()
+    # scoped_usd is set exactly when scoped_holds is a list (otherwise it holds JSON null, which has no elements)
+    return (select(scope.label("scope"), sid.label("sid"), func.count().label("n"))
+            .select_from(r).join(holds, true())
+            .where(r.period == month, r.scoped_usd.is_not(None))
+            .group_by(scope, sid).subquery())

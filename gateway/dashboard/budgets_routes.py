@@ -1,8 +1,11 @@
-"""Budgets: each tenant's and key's monthly budget against what is spent and what the requests in flight
-hold (their reservations' worst cases), from the spend counters that admission itself checks."""
+"""Budgets: each tenant's, key's, end user's and tag's monthly budget against what is spent and what the
+requests in flight hold (their reservations' worst cases), from the spend counters that admission itself
+checks. An end user's or tag's line links to the request log filtered to its tenant, its user or tag, and the
+month."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -10,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from billing.budget_use import BudgetLine, budget_lines
+from billing.invoice import month_bounds
 from billing.money import amount_text
 from gateway.dashboard.charts import meter
 from gateway.dashboard.exports import export
@@ -20,15 +24,24 @@ from gateway.dashboard.session import AdminSession
 from gateway.dashboard.stats import today_utc
 
 router = APIRouter(route_class=OutagePageRoute)
-COLUMNS = ["month", "scope", "tenant", "key_id", "key_prefix", "key_name", "budget_usd", "spent_usd", "reserved_usd",
-           "in_flight", "left_usd", "used_ratio"]
+COLUMNS = ["month", "scope", "tenant", "key_id", "key_prefix", "key_name", "name", "budget_usd", "spent_usd",
+           "reserved_usd", "in_flight", "left_usd", "used_ratio"]
 
 
 def as_row(month: str, b: BudgetLine) -> dict[str, Any]:
     return {"month": month, "scope": b.scope, "tenant": b.tenant, "key_id": b.scope_id if b.scope == "key" else None,
-            "key_prefix": b.key_prefix, "key_name": b.key_name, "budget_usd": amount_text(b.budget_usd),
+            "key_prefix": b.key_prefix, "key_name": b.key_name, "name": b.name, "budget_usd": amount_text(b.budget_usd),
             "spent_usd": amount_text(b.spent_usd), "reserved_usd": amount_text(b.reserved_usd),
             "in_flight": b.in_flight, "left_usd": amount_text(b.left_usd), "used_ratio": round(b.used_ratio, 6)}
+
+
+def log_link(q: ViewQuery, month: str, b: BudgetLine) -> str | None:
+    """The request log of the events an end user's or tag's budget counts: its tenant's, that month."""
+    if b.scope not in ("user", "tag"):
+        return None
+    first, next_month = month_bounds(month)
+    return q.link("/admin/requests", tenant=b.tenant, **{b.scope: b.name}, since=first.isoformat(),
+                  until=(next_month - timedelta(days=1)).isoformat())
 
 
 @router.get("/budgets")
@@ -38,5 +51,5 @@ async def budgets(request: Request, session: AdminSession = Depends(admin_sessio
     lines = await run_in_threadpool(budget_lines, gateway(request).db, month)
     if q.format != "html":
         return export(q.format, f"budgets-{month}", COLUMNS, (as_row(month, b) for b in lines))
-    rows = [(b, meter(b.spent_usd, b.reserved_usd, b.budget_usd)) for b in lines]
+    rows = [(b, meter(b.spent_usd, b.reserved_usd, b.budget_usd), log_link(q, month, b)) for b in lines]
     return admin_page(request, session, "budgets.html", title="Budgets", q=q, month=month, rows=rows)

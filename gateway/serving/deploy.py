@@ -13,24 +13,16 @@ from billing.deployments import deployment, record_deployments
 from gateway.serving.errors import NoPlatform
 from gateway.serving.model_app import model_application
 from gateway.serving.names import model_app_name
+from gateway.serving.ray_env import SERVE_LOGGING, ray_init_options
 from gateway.settings import Settings
 from gateway.specs import ModelSpec, check_source, parse_spec
 
-
 PLATFORM_ADDRESS_FILE = "ray-address"  # under TOLLGATE_HOME: the cluster `platform up` started or joined
-
-
-def _ray_opts(quiet: bool) -> dict[str, Any]:
-    if quiet:  # Serve's own logger prints each handle it starts and each app it connects to
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    return {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet,
-            "configure_logging": True}
 
 
 def _recorded_address(settings: Settings) -> str | None:
     path = settings.home / PLATFORM_ADDRESS_FILE
     return (path.read_text().strip() or None) if path.is_file() else None
-
 
 
 def connect(settings: Settings, *, quiet: bool = True) -> None:
@@ -47,7 +39,7 @@ def connect(settings: Settings, *, quiet: bool = True) -> None:
         raise NoPlatform(f"no platform runs for {settings.home} (start it with `platform up`, or name a cluster "
                          "with --address or RAY_ADDRESS)")
     try:
-        ray.init(address=address, **_ray_opts(quiet))
+        ray.init(address=address, **ray_init_options(quiet))
     except ConnectionError:
         raise NoPlatform(f"no Ray cluster answers at {address}; start the platform with `platform up`") from None
 
@@ -67,15 +59,15 @@ def start_platform(settings: Settings) -> bool:
         try:
             if address is None:
                 raise ConnectionError
-            ray.init(address=address, **_ray_opts(False))
+            ray.init(address=address, **ray_init_options(quiet=False))
         except ConnectionError:
             if settings.ray_address:
                 raise NoPlatform(f"no Ray cluster answers at {settings.ray_address}") from None
-            ray.init(address="local", include_dashboard=False, **_ray_opts(False))
+            ray.init(address="local", include_dashboard=False, **ray_init_options(quiet=False))
             started = True
     settings.home.mkdir(parents=True, exist_ok=True)
     (settings.home / PLATFORM_ADDRESS_FILE).write_text(ray.get_runtime_context().gcs_address + "\n")
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=SERVE_LOGGING)
     return started
 
 
@@ -102,7 +94,7 @@ def deploy_model(db: Engine, spec: ModelSpec, settings: Settings, *, check: bool
         check_source(spec)
     record_deployments(db, [spec.model_dump(mode="json")])
     serve.run(model_application(spec, settings, **deployment_options), name=model_app_name(spec.name),
-              route_prefix=None)
+              route_prefix=None, logging_config=SERVE_LOGGING)
 
 
 def resource_shortfall(spec: ModelSpec) -> str | None:

@@ -8,6 +8,7 @@ from ray.serve import Application
 from gateway.serving.cache_deployment import SemanticCacheServer
 from gateway.serving.ingress import GatewayIngress
 from gateway.serving.names import GATEWAY_APP
+from gateway.serving.ray_env import SERVE_LOGGING
 from gateway.settings import Settings
 
 
@@ -19,4 +20,4 @@ def gateway_application(settings: Settings) -> Application:
 def deploy_gateway(settings: Settings) -> None:
     from ray import serve
 
-    serve.run(gateway_application(settings), name=GATEWAY_APP, route_prefix="/")
+    serve.run(gateway_application(settings), name=GATEWAY_APP, route_prefix="/", logging_config=SERVE_LOGGING)

@@ -169,6 +169,14 @@ class RayModelBackend:
         finally:
             if not first.done():
                 first.cancel()
+                first.add_done_callback(_retrieve_outcome)
+
+
+def _retrieve_outcome(task: asyncio.Future) -> None:
+    """A cancelled wait for the stream's first item ends in the stream's RequestCancelledError, not in
+    CancelledError: retrieved here, so asyncio does not print it as a task exception never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class PlatformHeaders:

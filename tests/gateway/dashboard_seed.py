@@ -1,7 +1,8 @@
 """The dashboard tests' data: tenants (one named like markup, one like SQL), keys with projects and budgets,
 usage events over 40 days on two priced models (statuses, end users, tags, cache hits, prefix-cached
-tokens, sub-cent costs), replica intervals split among tenants, and requests in flight holding budget
-reservations. The tests compute what each view must show from these lists, independently of the views."""
+tokens, sub-cent costs), end-user and tag budgets (billing/scoped_budgets.py: each starts from its month's
+spend), replica intervals split among tenants, and requests in flight holding budget reservations (admitted by
+billing/reservations.py against every budget that applies). The tests compute what each view must show from these lists, independently of the views."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from billing.deployments import record_deployments
 from billing.models import ApiKey, GpuShare, ReplicaInterval, SpendCounter, Tenant, UsageEvent
 from billing.money import dollars
 from billing.reservations import Budgets, Worst, reserve
+from billing.scoped_budgets import applicable, set_budget
 
 MODEL = "smollm2-135m"  # deployed from platform/models/smollm2-135m.yaml: $0.05 in, $0.10 out per 1M
 BIG = "big-model"
@@ -32,7 +34,14 @@ TENANTS: dict[str, float | None] = {"acme": 100.0, EVIL_TENANT: None, DROP: 0.5,
 KEYS: dict[str, tuple[str, str | None, float | None]] = {
     "ci": ("acme", "search", 5.0), "web": ("acme", "chat", None), "evil": (EVIL_TENANT, "<b>proj</b>", None),
     "drop": (DROP, None, 0.01), "globex-prod": ("globex", "billing", None), "initech-app": ("initech", None, None)}
-IN_FLIGHT = [("acme", "ci", Decimal("0.25")), ("acme", "ci", Decimal("0.125")), (DROP, "drop", Decimal("0.000004"))]
+DROP_USER = "'; DROP TABLE usage_events; --"
+# (tenant, scope, name, monthly budget): a user's budget is its tenant's only (initech's alice spent nothing)
+SCOPED = [("acme", "user", "alice", "1"), ("acme", "tag", "search", "1"), ("initech", "user", "alice", "3"),
+          ("globex", "tag", "batch", "1.5"), (EVIL_TENANT, "user", EVIL_USER, "0.5"),
+          (EVIL_TENANT, "user", FORMULA_USER, "2"), (DROP, "tag", "a%", "0.001")]
+# (tenant, key, worst case, end user, tags) of the requests in flight
+IN_FLIGHT = [("acme", "ci", Decimal("0.25"), "alice", ("search",)), ("acme", "ci", Decimal("0.125"), "bob", ("search",)),
+             (DROP, "drop", Decimal("0.000004"), DROP_USER, ("a%",))]
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,7 @@ SEEDED: list[Seed] = [
     Seed("acme", 40, 1.0, key="web", tags=("chat",)),
     Seed(EVIL_TENANT, 0, 0.5, key="evil", user=EVIL_USER, tags=("<b>proj</b>",)),
     Seed(EVIL_TENANT, 2, 0.25, key="evil", user=FORMULA_USER, tags=("<b>proj</b>",)),
-    Seed(DROP, 0, "0.000123", model=BIG, key="drop", user="'; DROP TABLE usage_events; --", tags=("a%",)),
+    Seed(DROP, 0, "0.000123", model=BIG, key="drop", user=DROP_USER, tags=("a%",)),
     Seed(DROP, 1, "0.000007", model=BIG, key="drop", tags=("a_c",), status="cancelled"),
     *_traffic(),
 ]
@@ -151,6 +160,8 @@ def seed(db: Engine) -> dict[str, int]:
                 s.add(GpuShare(interval_id=row.id, tenant_uid=tenants[x.tenant].uid if x.tenant else None,
                                busy_s=Decimal(x.busy_s), idle_s=Decimal(x.idle_s)))
     _spend_counters(db, keys)
+    for tenant, scope, name, budget in SCOPED:
+        set_budget(db, tenant, **{scope: name}, budget_usd=Decimal(budget))
     return keys
 
 
@@ -171,9 +182,11 @@ def hold_reservations(db: Engine, owner: str, keys: dict[str, int]) -> None:
     with Session(db) as s:
         tenants = {t.name: (t.id, t.budget_usd) for t in s.scalars(select(Tenant))}
         budgets = {k.id: k.budget_usd for k in s.scalars(select(ApiKey))}
-    for i, (tenant, key, worst) in enumerate(IN_FLIGHT):
+    for i, (tenant, key, worst, user, tags) in enumerate(IN_FLIGHT):
         tenant_id, tenant_budget = tenants[tenant]
+        with db.connect() as conn:
+            scoped = applicable(conn, tenant_id, user, tags)
         admitted = reserve(db, f"in-flight-{i}", owner,
-                           Budgets(tenant_id, keys[key], budgets[keys[key]], tenant_budget, None, None),
+                           Budgets(tenant_id, keys[key], budgets[keys[key]], tenant_budget, None, None, scoped),
                            Worst(worst, 1000), model=MODEL, endpoint="chat.completions")
         assert not hasattr(admitted, "kind"), admitted  # admitted, not refused

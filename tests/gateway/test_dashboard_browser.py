@@ -1,7 +1,7 @@
 """The admin dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by
 Selenium), one browser for the module: sign in, a tenant's cost chart with the right total, create a key
 (shown once) and revoke it, a tenant's key cannot sign in; then every spend view (overview stacked by
-tenant and by model, usage by tag, budgets, GPU, cache, request log) with its numbers, and a click from an
+tenant and by model, usage by tag, budgets of tenants, keys, end users and tags, GPU, cache, request log) with its numbers, and a click from an
 invoice line to the requests behind it. Saves a screenshot of each view in the test's tmp dir; set
 TOLLGATE_DASHBOARD_SCREENSHOT=docs/dashboard.png to also copy the overview's there."""
 
@@ -18,7 +18,7 @@ from billing.accounts import hash_key
 from billing.models import ApiKey
 from billing.money import dollars, usd
 from tests.billing.dbutil import fresh_database
-from tests.gateway.dashboard_seed import BIG, EVIL_TENANT, MODEL, SEEDED, chart_total, this_month
+from tests.gateway.dashboard_seed import BIG, EVIL_TENANT, EVIL_USER, MODEL, SCOPED, SEEDED, chart_total, this_month
 from tests.gateway.test_dashboard import Dashboard, _serve
 from tollgate import envs
 
@@ -196,7 +196,27 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
     assert ci.find_element(By.CLASS_NAME, "reserved-usd").text == "$0.375 (2 requests)"
     assert ci.find_element(By.CLASS_NAME, "spent-usd").text == usd(
         sum(s.cost_usd for s in SEEDED if s.key == "ci" and this_month(s)))
+    # end-user and tag budgets beside them: one row each, names as text, and a link to their requests
+    scoped = {(r.get_attribute("data-scope"), r.find_element(By.CLASS_NAME, "name").text,
+               r.find_element(By.CLASS_NAME, "hint").text): r
+              for r in browser.find_elements(By.CSS_SELECTOR, "#budgets tr.budget") if
+              r.get_attribute("data-scope") in ("user", "tag")}
+    assert set(scoped) == {(scope, name, f"({tenant})") for tenant, scope, name, _ in SCOPED}
+    alice = [s for s in SEEDED if s.tenant == "acme" and s.user == "alice" and this_month(s)]
+    row = scoped[("user", "alice", "(acme)")]
+    assert row.find_element(By.CLASS_NAME, "spent-usd").text == usd(sum(s.cost_usd for s in alice))
+    assert row.find_element(By.CLASS_NAME, "reserved-usd").text == "$0.25 (1 request)"
+    assert row.find_element(By.CLASS_NAME, "left").text == usd(1 - sum(s.cost_usd for s in alice) - dollars("0.25"))
+    assert scoped[("tag", "search", "(acme)")].find_element(By.CLASS_NAME, "reserved-usd").text == "$0.375 (2 requests)"
+    assert scoped[("user", EVIL_USER, f"({EVIL_TENANT})")].find_element(By.CLASS_NAME, "used").text == "100.0%"
+    assert scoped[("user", "alice", "(initech)")].find_element(By.CLASS_NAME, "spent-usd").text == "$0.00"
     screenshot(browser, tmp_path / "budgets.png")
+    row.find_element(By.CLASS_NAME, "log-link").click()
+    wait_for(browser, lambda b: b.find_element(By.ID, "total-requests").text == str(len(alice)))
+    assert sorted(r.get_attribute("data-request-id") for r in browser.find_elements(By.CSS_SELECTOR, "#requests tr.request")
+                  ) == sorted(f"seed-{SEEDED.index(s)}" for s in alice)
+    screenshot(browser, tmp_path / "requests-of-a-budget.png")
+    browser.back()
 
     browser.find_element(By.LINK_TEXT, "GPU").click()
     assert texts(browser, "#gpu tr.gpu-tenant .total") == ["300 s", "249.75 s", "60 s", "50.25 s"]

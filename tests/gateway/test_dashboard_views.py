@@ -29,7 +29,8 @@ from billing.money import amount_text, dollars, usd
 from billing.spend_series import spend_by_day
 from tests.billing.dbutil import fresh_database
 from tests.gateway.dashboard_seed import (BIG, BIG_PRICING, DROP, EVIL_TENANT, EVIL_USER, FORMULA_USER, IN_FLIGHT,
-                                          INTERVALS, KEYS, MODEL, SEEDED, TENANTS, Seed, created_at, this_month, today)
+                                          INTERVALS, KEYS, MODEL, SCOPED, SEEDED, TENANTS, Seed, created_at, this_month,
+                                          today)
 from tests.gateway.test_dashboard import Dashboard, _serve, signed_in_client
 
 PRICES = {MODEL: {"input_per_1m": 0.05, "output_per_1m": 0.10}, BIG: BIG_PRICING}  # the seeded deployments
@@ -169,26 +170,67 @@ def test_usage_per_key_user_and_tag_matches_the_events(dashboard, client):
     assert link.startswith("/admin/requests?user=")
 
 
+def _scoped_events(tenant: str, scope: str, name: str) -> list[Seed]:
+    """The events an end user's or tag's budget counts: its tenant's, this month."""
+    return [e for e in SEEDED if e.tenant == tenant and this_month(e)
+            and (e.user == name if scope == "user" else name in e.tags)]
+
+
 def test_budgets_show_spent_and_the_reservations_in_flight(dashboard, client):
     month = today().strftime("%Y-%m")
     rows = both(client, "/admin/budgets")
-    got = {(r["scope"], r["key_name"] if r["scope"] == "key" else r["tenant"]): r for r in rows}
-    budgets = {("tenant", t): b for t, b in TENANTS.items() if b is not None}
-    budgets |= {("key", k): b for k, (_, _, b) in KEYS.items() if b is not None}
+    got = {(r["scope"], r["tenant"], r["key_name"] if r["scope"] == "key" else r["name"]): r for r in rows}
+    budgets = {("tenant", t, None): b for t, b in TENANTS.items() if b is not None}
+    budgets |= {("key", t, k): b for k, (t, _, b) in KEYS.items() if b is not None}
+    budgets |= {(scope, t, name): Decimal(b) for t, scope, name, b in SCOPED}
     assert set(got) == set(budgets)
-    for (scope, name), budget in budgets.items():
-        mine = (lambda e: e.tenant == name) if scope == "tenant" else (lambda e: e.key == name)
-        held = [w for t, k, w in IN_FLIGHT if (t if scope == "tenant" else k) == name]
-        spent = sum((e.cost_usd for e in SEEDED if mine(e) and this_month(e)), Decimal(0))
-        row = got[(scope, name)]
+    for (scope, tenant, name), budget in budgets.items():
+        if scope in ("user", "tag"):
+            events = _scoped_events(tenant, scope, name)
+            held = [w for t, _, w, u, tags in IN_FLIGHT if t == tenant and (u == name if scope == "user" else name in tags)]
+        else:
+            events = [e for e in SEEDED if this_month(e) and (e.tenant == tenant if scope == "tenant" else e.key == name)]
+            held = [w for t, k, w, _, _ in IN_FLIGHT if (t if scope == "tenant" else k) == (tenant if scope == "tenant" else name)]
+        spent, reserved = sum((e.cost_usd for e in events), Decimal(0)), sum(held, Decimal(0))
+        row = got[(scope, tenant, name)]
         assert (row["month"], Decimal(row["budget_usd"]), Decimal(row["spent_usd"]), Decimal(row["reserved_usd"]),
-                row["in_flight"]) == (month, dollars(budget), spent, sum(held, Decimal(0)), len(held)), name
-        assert Decimal(row["left_usd"]) == dollars(budget) - spent - sum(held, Decimal(0))
+                row["in_flight"]) == (month, dollars(budget), spent, reserved, len(held)), (scope, tenant, name)
+        assert Decimal(row["left_usd"]) == dollars(budget) - spent - reserved
+        assert row["used_ratio"] == round(float((spent + reserved) / dollars(budget)), 6)
+    assert [r["used_ratio"] for r in rows] == sorted((r["used_ratio"] for r in rows), reverse=True)
+    # the scoped budgets the in-flight requests hold against, by the real admission: alice's and the search tag's
+    assert (got[("user", "acme", "alice")]["in_flight"], got[("tag", "acme", "search")]["in_flight"],
+            got[("tag", DROP, "a%")]["reserved_usd"], got[("user", "initech", "alice")]["spent_usd"]) == (
+        1, 2, "0.000004", "0.00")
     page = client.get("/admin/budgets").text
     assert "$0.000004" in page and "(2 requests)" in page and escape(DROP) in page
+    assert escape(EVIL_USER) in page and EVIL_USER not in page
+
+    # each end-user and tag line links to the request log of its tenant, its user or tag, and the month
+    lines = page.split('<tr class="budget"')[1:]
+    linked = {}
+    for line in lines:
+        scope = re.search(r'data-scope="([^"]+)"', line).group(1)
+        link = re.search(r'href="([^"]+)" class="log-link"', line)
+        if scope in ("tenant", "key"):
+            assert link is None
+            continue
+        name = html.unescape(re.search(r'<strong class="name">([^<]*)</strong>', line).group(1))
+        tenant = html.unescape(re.search(r'<span class="hint">\(([^<]*)\)</span>', line).group(1))
+        linked[(scope, tenant, name)] = html.unescape(link.group(1))
+    assert set(linked) == {(scope, t, name) for t, scope, name, _ in SCOPED}
+    for (scope, tenant, name), link in linked.items():
+        events = _scoped_events(tenant, scope, name)
+        logged = exported(client, link, "json")
+        assert {r["request_id"] for r in logged} == ids(events), (scope, tenant, name)
+        assert sum((Decimal(r["cost_usd"]) for r in logged), Decimal(0)) == Decimal(got[(scope, tenant, name)]["spent_usd"])
+    # a name a spreadsheet would run is text in the CSV, verbatim in JSON
+    as_csv = exported(client, "/admin/budgets", "csv")
+    assert "'" + FORMULA_USER in {r["name"] for r in as_csv} and FORMULA_USER in {r["name"] for r in rows}
     # another month: its own counters (none), and no requests in flight
     earlier = exported(client, "/admin/budgets", "json", month="2020-01")
     assert {(r["spent_usd"], r["reserved_usd"], r["in_flight"]) for r in earlier} == {("0.00", "0.00", 0)}
+    assert len(earlier) == len(rows)
 
 
 def _gpu_expected(passes: Callable[[str, str, int], bool]) -> dict[str, tuple[Decimal, Decimal]]:
