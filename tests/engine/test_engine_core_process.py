@@ -147,3 +147,28 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_structured_request_crosses_to_the_core_and_comes_back_valid(tmp_path):
+    """The constraint travels with its request to the core process, which compiles and enforces it."""
+    import json
+
+    from tests.engine.helpers import write_tiny_model_with_smollm2_tokenizer
+
+    model = write_tiny_model_with_smollm2_tokenizer(tmp_path)
+    engine = AsyncEngine.from_config(EngineConfig(model=model, device="cpu", engine_core="process"))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.7, seed=4, max_tokens=40, structured_outputs={"json": schema})
+
+    async def main():  # type: ignore[no-untyped-def]
+        return await _collect(engine, [1, 10, 200, 33], params, "constrained")
+
+    try:
+        _, final = asyncio.run(main())
+        with pytest.raises(ValueError, match="structured_outputs"):
+            asyncio.run(_collect(engine, [1, 2], SamplingParams(structured_outputs={"regex": "("}), "bad"))
+    finally:
+        engine.shutdown()
+    value = json.loads(final.outputs[0].text)
+    assert 3 <= value["n"] <= 9 and final.outputs[0].finish_reason == "stop"
