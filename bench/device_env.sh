@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gateway's Python packages for the GPU machine, which has torch, triton, transformers, numpy, pyyaml,
 # prometheus-client, httpx, aiohttp, uvloop and pandas but no registry and no fastapi, uvicorn, pydantic, sqlalchemy,
-# alembic or faiss.
+# alembic, faiss or llguidance (structured outputs).
 #   bash bench/device_env.sh download   # here, with PyPI: wheels for CPython 3.12 manylinux x86_64 into .whl/
 #   bash bench/device_env.sh install    # there (the run carries .whl): installs them into /tmp/site
 #   export PYTHONPATH=/tmp/site:$PWD    # then `platform serve --local` and bench/serve.py run on the GPU
@@ -13,13 +13,13 @@ WHEELS=.whl
 # the web stack and the ledger; their own dependencies are named, since --no-deps keeps torch out
 PACKAGES=(fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types typing-inspection
           sqlalchemy greenlet alembic mako sniffio
-          annotated-doc opentelemetry-api faiss-cpu xgrammar apache-tvm-ffi)
+          annotated-doc opentelemetry-api faiss-cpu llguidance)
 
 case "${1:-}" in
   download)
     mkdir -p "$WHEELS"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "${PACKAGES[@]}"
     du -sh "$WHEELS"
     ;;
