@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
+from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput, TokenLogprob
 from gateway.specs import ModelSpec
 
@@ -157,9 +158,13 @@ class LocalEngineBackend:
         else:
             raise ValueError("prompt: missing")
         finish_reported: set[int] = set()
-        async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
-                                         cache_salt=request.cache_salt, account=request.account):
-            yield self._chunk(out, finish_reported)
+        try:
+            async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
+                                             cache_salt=request.cache_salt, account=request.account):
+                yield self._chunk(out, finish_reported)
+        except EngineDeadError as e:  # the engine (its core process) is gone: a 503 naming why, not a 500
+            self.mark_unavailable(f"its engine stopped ({e})")
+            raise BackendUnavailable(f"The model `{self.spec.name}` is unavailable: its engine stopped") from e
 
     def _chunk(self, out: RequestOutput, finish_reported: set[int]) -> GenerationChunk:
         choices = []
