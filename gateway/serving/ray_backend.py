@@ -94,6 +94,10 @@ class RayModelBackend:
         self.replica_states: dict[str, int] = {}
         self.counters = ModelCounters()
         self._live: dict[str, Any] = {}
+        self.engine_stats: dict[str, Any] = {}  # its replicas' engine counters, added up (engine_stats_board.py)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine_stats
 
     def info(self) -> BackendInfo:
         return BackendInfo(self.name, self.max_model_len, self.state, self.replica_states.get("running", 0),

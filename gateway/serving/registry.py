@@ -11,11 +11,13 @@ import re
 import threading
 from typing import Any
 
+import ray
 from ray import serve
 
 from billing.deployments import deployed_specs
 from gateway.backends import BackendState, ModelBackend
 from gateway.deployed import DeployedModels
+from gateway.serving.engine_stats_board import board, model_totals
 from gateway.serving.names import MODEL_DEPLOYMENT, model_app_name, model_of_app
 from gateway.serving.ray_backend import RayModelBackend
 from gateway.specs import ModelSpec, SpecError, parse_spec
@@ -69,6 +71,7 @@ class ModelRegistry:
         self.cold_start_timeout_s = cold_start_timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tollgate-registry", daemon=True)
+        self._board = board()
 
     def start(self) -> None:
         self.refresh()
@@ -105,6 +108,17 @@ class ModelRegistry:
             if spec is not None:
                 specs[name] = spec
         self.gw.models = DeployedModels(backends, specs)
+        self._read_engine_stats(backends)
+
+    def _read_engine_stats(self, backends: dict[str, ModelBackend]) -> None:
+        try:
+            posted = ray.get(self._board.read.remote(), timeout=2)
+        except Exception as e:  # the board unreachable: the last figures stay, /metrics still answers
+            log.debug("engine stats unavailable: %s", type(e).__name__)
+            return
+        for name, backend in backends.items():
+            if isinstance(backend, RayModelBackend):
+                backend.engine_stats = model_totals(posted.get(name, []))
 
     @staticmethod
     def _spec(name: str, data: dict[str, Any] | None) -> ModelSpec | None:

@@ -14,6 +14,7 @@ from ray import serve
 from billing.db import make_engine
 from billing.replica_intervals import IntervalRecorder
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, LocalEngineBackend
+from gateway.serving.engine_stats_board import StatsPoster
 from gateway.serving.gpu_sampler import GpuSampler
 from gateway.serving.model_cache import prepared_source
 from gateway.serving.names import MODEL_DEPLOYMENT
@@ -40,6 +41,7 @@ class ModelServer:
         self.gpu = GpuSampler.maybe_start() if self.spec.resources.num_gpus > 0 else None
         self.ongoing = 0
         await self.backend.start()
+        self.poster = StatsPoster(self.spec.name, self.replica, self.backend.stats)
         self.ready_at = time.time()
         self.load_s = self.ready_at - started
         log.info("replica %s of %s ready in %.2f s", self.replica, self.spec.name, self.load_s)
@@ -66,6 +68,8 @@ class ModelServer:
         # graceful shutdown (downscale, redeploy, delete): close the last interval, free the engine
         if getattr(self, "gpu", None) is not None:
             self.gpu.stop()
+        if hasattr(self, "poster"):
+            self.poster.close()
         if hasattr(self, "recorder"):
             self.recorder.close()
         if hasattr(self, "backend"):

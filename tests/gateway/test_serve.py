@@ -326,6 +326,25 @@ def test_errors_cross_the_ray_boundary_typed(platform: Platform) -> None:
     assert r.headers[REQUEST_ID_HEADER] == r.json()["id"]
 
 
+def test_the_replicas_engine_series_reach_the_gateways_metrics(platform: Platform) -> None:
+    """Each replica posts its engine's counters (engine_stats_board.py); the gateway's /metrics adds them up per
+    model, under vLLM's names."""
+    from billing.admin_keys import create_admin_key
+
+    admin = {"Authorization": f"Bearer {create_admin_key(platform.db, 'metrics').key}"}
+    assert platform.chat(max_tokens=3).status_code == 200
+    model = f'{{model="{platform.model}"}}'
+
+    def scraped() -> str | None:
+        text = httpx.get(f"{platform.url}/metrics", headers=admin, timeout=10).text
+        generated = [line for line in text.splitlines() if line.startswith(f"tollgate_generation_tokens_total{model}")]
+        return text if generated and float(generated[0].rsplit(" ", 1)[1]) >= 3 else None
+
+    text = wait_until(scraped, 30, "the replica's engine counters on the gateway's /metrics", every=0.5)
+    for series in ("tollgate_num_requests_running", "tollgate_kv_cache_usage_perc", "tollgate_prefix_cache_queries_total"):
+        assert f"{series}{model}" in text, series
+
+
 def test_a_model_whose_replicas_cannot_start_is_unavailable_with_the_reason(platform: Platform) -> None:
     data = test_spec("smollm2-broken").model_dump(mode="json")
     data["source"] = "/nonexistent/weights"  # past the deploy-time check, as a volume that went away would be
