@@ -26,6 +26,8 @@ from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
 from gateway.deployed import DeployedModels
 from gateway.drain import InFlight, InFlightMiddleware
+from gateway.embedding_backend import LocalEmbeddingBackend
+from gateway.embeddings import embeddings_router
 from gateway.request_id import RequestIdMiddleware
 from gateway.routes import router
 from gateway.service import Gateway
@@ -33,6 +35,7 @@ from gateway.settings import Settings
 from gateway.specs import ModelSpec
 
 log = logging.getLogger("tollgate.gateway")
+LOCAL_BACKENDS = (LocalEngineBackend, LocalEmbeddingBackend)  # models that run in this process
 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
@@ -69,7 +72,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                 recorder.close()
             if own_backends:
                 for backend in backends.values():
-                    if isinstance(backend, LocalEngineBackend):
+                    if isinstance(backend, LOCAL_BACKENDS):
                         backend.stop()
             gw.ledger.close()
             if gw.budget_webhook is not None:
@@ -86,6 +89,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.state.auth_throttle = FailedAuthThrottle(settings.auth_fail_limit, settings.auth_fail_window_s)
     errors.install(app)
     app.include_router(router)
+    app.include_router(embeddings_router)
     app.include_router(admin_router)
     install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -100,14 +104,14 @@ def _record_intervals(db: Engine, backends: dict[str, ModelBackend], flush_every
     replica = f"local-{socket.gethostname()}-{os.getpid()}"
     out = []
     for name, backend in backends.items():
-        if isinstance(backend, LocalEngineBackend) and backend.info().state == "ready":
+        if isinstance(backend, LOCAL_BACKENDS) and backend.info().state == "ready":
             out.append(IntervalRecorder(db, name, replica, backend.busy_totals, flush_every_s=flush_every_s).start())
     return out
 
 
 async def _start_local_models(backends: dict[str, ModelBackend]) -> None:
     for name, backend in backends.items():
-        if not isinstance(backend, LocalEngineBackend) or backend.info().state == "unavailable":
+        if not isinstance(backend, LOCAL_BACKENDS) or backend.info().state == "unavailable":
             continue
         log.info("loading model %s", name)
         try:

@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
 from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput, TokenLogprob
-from gateway.specs import ModelSpec
+from gateway.specs import ModelKind, ModelSpec
 
 # ready: serving; scaled_to_zero: no replica now, a request starts one; loading: starting, try again shortly;
 # unavailable: cannot serve (BackendInfo.reason says why); stopped: shut down
@@ -68,6 +68,7 @@ class BackendInfo:
     replicas: int | None = None  # replicas serving now
     replica_states: dict[str, int] | None = None  # e.g. {"running": 2, "starting": 1}
     reason: str | None = None  # why the model is unavailable
+    kind: ModelKind = "chat"  # which endpoints it serves (gateway/specs.py)
 
     @property
     def serving(self) -> bool:

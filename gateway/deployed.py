@@ -24,11 +24,11 @@ class DeployedModels:
         return spec.pricing.prices() if spec is not None else Prices()
 
     def route_candidates(self) -> list[RouteSpec]:
-        """The models `"auto"` may pick: deployed with a known spec, and serving (or able to start)."""
+        """The models `"auto"` may pick: chat models deployed with a known spec, and serving (or able to start)."""
         out = []
         for name, spec in self.specs.items():
             backend = self.backends.get(name)
-            if backend is None:
+            if backend is None or spec.kind != "chat" or backend.info().kind != "chat":
                 continue
             info = backend.info()
             if info.serving:

@@ -157,6 +157,68 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+# OpenAI's bound on the inputs of one embeddings request
+MAX_EMBEDDING_INPUTS = 2048
+_INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings. Every field is honoured; any other is refused (400 naming it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=200)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, v: Any) -> Any:
+        """One of the four shapes, none of it empty, at most MAX_EMBEDDING_INPUTS inputs, valid Unicode."""
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list):
+            raise ValueError(f"input: must be {_INPUT_SHAPES}")
+        if not items:
+            raise ValueError("input: must not be empty")
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            items = [v]  # one input given as token ids
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input: at most {MAX_EMBEDDING_INPUTS} inputs in one request, got {len(items)}")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError(f"input: input {i} is an empty string")
+                if unpaired_surrogate_at(item) is not None:
+                    raise ValueError(f"input: input {i} contains an unpaired UTF-16 surrogate; send valid Unicode")
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                if not item:
+                    raise ValueError(f"input: input {i} is an empty list of token ids")
+                if any(t < 0 for t in item):
+                    raise ValueError(f"input: input {i} holds a negative token id")
+            else:
+                raise ValueError(f"input: must be {_INPUT_SHAPES}, not a mix")
+        if len({isinstance(item, str) for item in items}) > 1:
+            raise ValueError(f"input: must be {_INPUT_SHAPES}, not a mix")
+        return v
+
+    @field_validator("model", "user")
+    @classmethod
+    def _storable(cls, v: str | None) -> str | None:
+        if v is not None and ("\x00" in v or unpaired_surrogate_at(v) is not None):
+            raise ValueError("must be valid Unicode without NUL characters")
+        return v
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a list: strings, or token-id lists."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [self.input]  # type: ignore[list-item]
+        return self.input  # type: ignore[return-value]
+
+
 def unpaired_surrogate_at(data: Any) -> str | None:
     """The dotted path of the first string (value or key) in `data` holding an unpaired surrogate, or
     None. Walks iteratively: deep nesting costs no recursion."""

@@ -78,7 +78,7 @@ async def list_models(_: Principal = Depends(principal), gw: Gateway = Depends(g
     data = []
     for name, backend in gw.backends.items():
         info = backend.info()
-        entry = {"id": name, "object": "model", "created": 0, "owned_by": "tollgate",
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "tollgate", "kind": info.kind,
                  "max_model_len": info.max_model_len, "state": info.state}
         if info.reason:
             entry["reason"] = info.reason

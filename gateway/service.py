@@ -28,16 +28,20 @@ from gateway.auth import KeyStore, Principal
 from gateway.budget_webhook import BudgetWebhook
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
 from gateway.deployed import DEFAULT_MAX_MODEL_LEN, DeployedModels
-from gateway.errors import APIError, context_length_exceeded, model_not_found, server_error, unavailable
+from gateway.embedding_format import EmbeddingFormat
+from gateway.errors import (APIError, context_length_exceeded, invalid_request, model_not_found, server_error,
+                            unavailable)
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
 from gateway.router import RouteDecision
 from gateway.sampling import value_error
+from gateway.specs import ModelKind
 
 log = logging.getLogger("tollgate.gateway")
 
-Format = ChatFormat | CompletionFormat
+Format = ChatFormat | CompletionFormat | EmbeddingFormat
+_SERVED_BY = {"chat": "/v1/chat/completions and /v1/completions", "embedding": "/v1/embeddings"}
 
 
 @dataclass
@@ -129,11 +133,16 @@ class Gateway:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def backend_for(self, model: str) -> ModelBackend:
+    def backend_for(self, model: str, kind: ModelKind = "chat") -> ModelBackend:
+        """The model's backend: 404 unknown, 400 naming `model` when it is not of this endpoint's kind, 503 when it
+        cannot serve now."""
         backend = self.backends.get(model)
         if backend is None:
             raise model_not_found(model)
         info = backend.info()
+        if info.kind != kind:
+            raise invalid_request(f"model: `{model}` is {'an' if info.kind == 'embedding' else 'a'} {info.kind} model, "
+                                  f"served by {_SERVED_BY[info.kind]} only", "model", "model_not_supported")
         if not info.serving:
             why = f": {info.reason}" if info.reason else "; try again shortly."
             raise unavailable(f"The model `{model}` is {info.state}{why}")

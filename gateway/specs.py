@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from billing.money import dollars
 from billing.pricing import Prices
@@ -18,6 +18,8 @@ from gateway.model_roots import checked_source
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
 MAX_SPEC_BYTES = 64 * 1024
+# chat: /v1/chat/completions and /v1/completions on the engine; embedding: /v1/embeddings (gateway/embeddings.py)
+ModelKind = Literal["chat", "embedding"]
 
 
 class Pricing(BaseModel):
@@ -78,11 +80,32 @@ class Autoscaling(BaseModel):
         return out
 
 
+class EmbeddingEngine(BaseModel):
+    """The `engine:` block of an embedding model's spec (its only settings)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # the longest input in tokens: at most the model's own (sentence-transformers' max_seq_length)
+    max_model_len: int | None = Field(None, ge=1)
+    # inputs in one forward pass: concurrent requests share passes up to this many inputs
+    max_batch_size: int = Field(64, ge=1, le=2048)
+    # the sizes `dimensions` may ask for: a Matryoshka-trained model's leading components embed alone
+    matryoshka_dimensions: list[int] | None = Field(None, min_length=1)
+
+    @field_validator("matryoshka_dimensions")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d < 1 for d in v):
+            raise ValueError("each size must be >= 1")
+        return v
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: str = Field(min_length=1)
+    kind: ModelKind = "chat"
     size: Literal["small", "large"] = "small"
     tasks: list[str] = Field(default_factory=lambda: ["chat"])
     engine: dict[str, Any] = Field(default_factory=dict)
@@ -95,16 +118,31 @@ class ModelSpec(BaseModel):
 
     @field_validator("engine")
     @classmethod
-    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _engine_fields(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "kind" not in info.data:  # the kind itself is refused: which settings apply is unknown
+            return v
+        if info.data["kind"] == "embedding":  # checked with the spec's other fields (check_embedding_fields)
+            return v
         unknown = sorted(set(v) - _ENGINE_FIELDS)
         if unknown:
             raise ValueError(f"{unknown[0]}: not an engine setting (known: {sorted(_ENGINE_FIELDS)})")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _embedding_defaults(cls, data: Any) -> Any:
+        """An embedding model is on no side of the router: no tasks unless the spec names some (refused)."""
+        if isinstance(data, dict) and data.get("kind") == "embedding" and "tasks" not in data:
+            return {**data, "tasks": []}
+        return data
+
     @model_validator(mode="after")
     def _engine_config(self) -> "ModelSpec":
         """The engine block is checked whole, as the replica will build it, so a bad value is refused here
         and not inside a replica's cold start."""
+        if self.kind == "embedding":
+            check_embedding_fields(self)
+            return self
         config = engine_config(self)
         gpus = self.resources.num_gpus
         if gpus > 0 and config.tensor_parallel_size > gpus:
@@ -115,6 +153,37 @@ class ModelSpec(BaseModel):
     @property
     def max_model_len(self) -> int | None:
         return self.engine.get("max_model_len")
+
+
+def embedding_engine(spec: ModelSpec) -> EmbeddingEngine:
+    return EmbeddingEngine.model_validate(spec.engine)
+
+
+def check_embedding_fields(spec: ModelSpec) -> None:
+    """An embedding spec's engine block, and the chat-only fields it must leave alone: a ValueError of
+    `field: problem` lines, one a problem."""
+    problems = []
+    try:
+        embedding_engine(spec)
+    except ValidationError as e:
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = f"not a setting of an embedding model (it takes {sorted(EmbeddingEngine.model_fields)})"
+            problems.append(f"engine.{'.'.join(map(str, err['loc']))}: {msg}")
+    if spec.tasks:
+        problems.append("tasks: an embedding model serves /v1/embeddings only; the router never sends chat to it")
+    if spec.size != "small":
+        problems.append("size: an embedding model is on no side of the router")
+    if spec.prefix_sharing != "tenant":
+        problems.append("prefix_sharing: an embedding model keeps no KV prefix cache")
+    if spec.pricing.output_per_1m:
+        problems.append("pricing.output_per_1m: an embedding model produces no output tokens (input_per_1m prices "
+                        "its input)")
+    if spec.pricing.cached_input_per_1m is not None:
+        problems.append("pricing.cached_input_per_1m: an embedding model reads no cached prompt tokens")
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def engine_config(spec: ModelSpec) -> EngineConfig:
@@ -144,15 +213,15 @@ def _problems(e: ValidationError) -> list[str]:
         path = ".".join(str(p) for p in err.get("loc", ()))
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
+        if not path and "\n" in msg:  # a whole block's problems (engine, an embedding spec's), one a line
+            out.extend(msg.splitlines())
+            continue
         head, _, rest = msg.partition(": ")
         if rest and head.isidentifier() and " " not in head:  # "max_replicas: ..." raised inside a model
             path = f"{path}.{head}" if path and not path.endswith(head) else (path or head)
             msg = rest
         if err.get("type") == "extra_forbidden":
             msg = "unknown field"
-        if not path and "\n" in msg:  # the engine block's problems, one a line
-            out.extend(msg.splitlines())
-            continue
         out.append(f"{path}: {msg}" if path else msg)
     return out
 
@@ -219,6 +288,8 @@ def check_source(spec: ModelSpec) -> None:
     reads: a path that exists, a package that is installed and holds a model, a config the engine parses."""
     from engine.loader import read_model_config, resolve_model_source
 
+    if spec.kind == "embedding":
+        return check_embedding_source(spec)
     problems = []
     try:
         read_model_config(spec.source)
@@ -230,6 +301,28 @@ def check_source(spec: ModelSpec) -> None:
             resolve_model_source(tokenizer)
         except ValueError as e:
             problems.append(f"engine.tokenizer: {e}")
+    if problems:
+        raise SpecError(f"model {spec.name}", problems)
+
+
+def check_embedding_source(spec: ModelSpec) -> None:
+    """SpecError unless the source is an embedding model whose files read, and the engine block fits it
+    (max_model_len and Matryoshka sizes at most the model's)."""
+    from gateway.embedding_source import read_embedding_model
+
+    try:
+        facts = read_embedding_model(spec.source)
+    except ValueError as e:
+        raise SpecError(f"model {spec.name}", [f"source: {e}"]) from None
+    engine = embedding_engine(spec)
+    problems = []
+    if engine.max_model_len is not None and engine.max_model_len > facts.max_seq_length:
+        problems.append(f"engine.max_model_len: {engine.max_model_len} is more than the model reads "
+                        f"({facts.max_seq_length} tokens)")
+    too_large = [d for d in engine.matryoshka_dimensions or [] if d > facts.dimension]
+    if too_large:
+        problems.append(f"engine.matryoshka_dimensions: {too_large[0]} is larger than the model's embeddings "
+                        f"({facts.dimension})")
     if problems:
         raise SpecError(f"model {spec.name}", problems)
 

@@ -20,7 +20,7 @@ from gateway.settings import Settings
 from gateway.specs import ModelSpec, check_source, load_spec, load_specs
 
 DEMO_TENANT = "demo"
-BUNDLED_SPEC = "smollm2-135m.yaml"
+BUNDLED_SPECS = ("smollm2-135m.yaml", "all-minilm-l6-v2.yaml")  # the chat model and the default embedding model
 log = logging.getLogger("tollgate.cli")
 
 
@@ -33,7 +33,7 @@ def register(sub: Any) -> None:
     serve.add_argument("--models-dir", type=Path, help="directory of model specs (default platform/models)")
     serve.set_defaults(func=cmd_serve)
 
-    up = sub.add_parser("up", help="start (or join) Ray and serve the platform with the bundled model and a demo key")
+    up = sub.add_parser("up", help="start (or join) Ray and serve the platform with the bundled models and a demo key")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--address", help="join this Ray cluster instead of starting a local one")
@@ -97,9 +97,12 @@ def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
 
     from gateway.app import create_app
     from gateway.backends import LocalEngineBackend, ModelBackend
+    from gateway.embedding_backend import LocalEmbeddingBackend
 
     db = open_database(settings.db_url)
-    backends: dict[str, ModelBackend] = {s.name: LocalEngineBackend(s) for s in specs}
+    backends: dict[str, ModelBackend] = {
+        s.name: LocalEmbeddingBackend(s) if s.kind == "embedding" else LocalEngineBackend(s)  # type: ignore[misc]
+        for s in specs}
     app = create_app(settings, db, backends, specs, own_backends=True)
     # uvicorn drains on SIGTERM, then raises the signal again with the handler it found installed: with
     # this one, a drained stop exits with status 0 instead of dying by the signal
@@ -115,7 +118,7 @@ def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     settings = _with_flags(args, settings, host=args.host, port=args.port)
     key = demo_key(settings)
-    return serve_platform(settings, [load_spec(settings.models_dir / BUNDLED_SPEC)], key=key)
+    return serve_platform(settings, [load_spec(settings.models_dir / name) for name in BUNDLED_SPECS], key=key)
 
 
 def serve_platform(settings: Settings, specs: list[ModelSpec], key: str | None) -> int:
@@ -135,7 +138,8 @@ def serve_platform(settings: Settings, specs: list[ModelSpec], key: str | None) 
             deploy_unavailable(db, spec, settings)
             continue
         try:  # convert a GGUF source here once, so that even the first cold start on this node loads fast
-            prepared_source(spec.source)
+            if spec.kind == "chat":
+                prepared_source(spec.source)
         except (ValueError, OSError) as e:
             print(f"note: {spec.name}: source not prepared here ({e})", file=sys.stderr)
         deploy_model(db, spec, settings, check=False)
@@ -174,7 +178,9 @@ def wait_for_stop_signal() -> None:
 
 def _print_welcome(settings: Settings, specs: list[ModelSpec], key: str | None) -> None:
     url = f"http://{settings.host}:{settings.port}"
-    model = specs[0].name if specs else "MODEL"
+    chat = [s.name for s in specs if s.kind == "chat"]
+    embedding = [s.name for s in specs if s.kind == "embedding"]
+    model = chat[0] if chat else "MODEL"
     print(f"Tollgate is serving at {url}/v1 on Ray Serve; models: {', '.join(s.name for s in specs) or 'none'}")
     print("models start on their first request (scale to zero when idle); Ctrl-C stops the platform")
     if key is not None:
@@ -188,6 +194,9 @@ def _print_welcome(settings: Settings, specs: list[ModelSpec], key: str | None) 
           "-H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           "\"max_tokens\": 32}'")
+    if embedding:
+        print(f"  curl {url}/v1/embeddings {auth} -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{embedding[0]}\", \"input\": [\"Hello!\", \"How are you?\"]}}'")
     sys.stdout.flush()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from gateway.serving.embedding_replica import EmbeddingServer
 from gateway.serving.replica import ModelServer
 from gateway.settings import Settings
 from gateway.specs import ModelSpec
@@ -26,7 +27,8 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
     args = (replica_spec, settings.db_url, settings.interval_flush_s)
     version = hashlib.sha256(json.dumps([args, actor_options, _package_version()], sort_keys=True).encode())
     deployment_options.setdefault("graceful_shutdown_timeout_s", settings.drain_s)
-    deployment = ModelServer.options(
+    server = EmbeddingServer if spec.kind == "embedding" else ModelServer
+    deployment = server.options(
         autoscaling_config=spec.autoscaling.serve_config(),
         max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
         ray_actor_options=actor_options,

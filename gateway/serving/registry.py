@@ -20,6 +20,7 @@ from gateway.deployed import DeployedModels
 from gateway.serving.engine_stats_board import board, model_totals
 from gateway.serving.names import MODEL_DEPLOYMENT, model_app_name, model_of_app
 from gateway.serving.ray_backend import RayModelBackend
+from gateway.serving.ray_embedding_backend import RayEmbeddingBackend
 from gateway.specs import ModelSpec, SpecError, parse_spec
 
 log = logging.getLogger("tollgate.serve")
@@ -97,10 +98,11 @@ class ModelRegistry:
         for name, app in apps.items():
             spec = self._spec(name, recorded.get(name))
             backend = current.get(name)
-            if not isinstance(backend, RayModelBackend):
-                backend = RayModelBackend(name, serve.get_app_handle(model_app_name(name)),
-                                          max_model_len=spec.max_model_len if spec else None,
-                                          cold_start_timeout_s=self.cold_start_timeout_s)
+            backend_class = RayEmbeddingBackend if spec is not None and spec.kind == "embedding" else RayModelBackend
+            if type(backend) is not backend_class:
+                backend = backend_class(name, serve.get_app_handle(model_app_name(name)),
+                                        max_model_len=spec.max_model_len if spec else None,
+                                        cold_start_timeout_s=self.cold_start_timeout_s)
             elif spec is not None:
                 backend.max_model_len = spec.max_model_len
             backend.state, backend.replica_states, backend.reason = model_state(app)

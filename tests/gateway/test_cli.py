@@ -79,6 +79,45 @@ def test_serve_local_answers_and_stops_cleanly(db_url, tmp_path):
     assert key not in out and "secret prompt" not in out  # keys and prompts never reach the logs
 
 
+def test_serve_local_answers_the_readme_embeddings_curl(db_url, tmp_path):
+    """`serve --local` with the bundled embedding spec: the README's curl, run as written (on another port), gets
+    the vectors, and the request is in the ledger."""
+    import shutil
+    from pathlib import Path
+
+    from tollgate import envs
+
+    root = Path(__file__).resolve().parents[2]
+    [curl] = [line for line in (root / "README.md").read_text().splitlines()
+              if line.startswith("curl ") and "/v1/embeddings" in line]
+    # the extracted model is shared with the test process's cache folder (no second 90 MB copy)
+    env = {**_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0",
+           "TOLLGATE_MODEL_CACHE_DIR": str(envs.model_cache_dir())}
+    _run(env, "tenants", "create", "readme")
+    env["TOLLGATE_KEY"] = _run(env, "keys", "create", "--tenant", "readme").stdout.strip()
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(root / "platform" / "models" / "all-minilm-l6-v2.yaml", models)
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(proc, port)
+        done = subprocess.run(["bash", "-c", curl.replace(":8000/", f":{port}/")], env=env, capture_output=True,
+                              text=True, timeout=60)
+        body = json.loads(done.stdout)
+        assert [len(d["embedding"]) for d in body["data"]] == [384, 384], done.stdout[:500]
+        assert body["model"] == "all-minilm-l6-v2" and body["usage"]["prompt_tokens"] == 10
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    with make_engine(db_url).connect() as conn:
+        rows = conn.execute(select(UsageEvent.endpoint, UsageEvent.prompt_tokens, UsageEvent.status)
+                            .where(UsageEvent.model == "all-minilm-l6-v2")).all()
+    assert [tuple(r) for r in rows] == [("embeddings", 10, "ok")]
+
+
 def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while True:

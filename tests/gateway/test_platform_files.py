@@ -25,10 +25,12 @@ def _resolve(import_path: str) -> object:
 
 def test_model_specs_validate() -> None:
     specs = {s.name: s for s in load_specs(PLATFORM / "models").specs}
-    assert {"smollm2-135m", "llama-3.1-8b"} <= set(specs)
+    assert {"smollm2-135m", "llama-3.1-8b", "all-minilm-l6-v2"} <= set(specs)
     small, large = specs["smollm2-135m"], specs["llama-3.1-8b"]
     assert small.resources.num_gpus == 0 and small.size == "small"
     assert large.resources.num_gpus == 1 and large.size == "large" and large.autoscaling.min_replicas == 0
+    embedder = specs["all-minilm-l6-v2"]
+    assert embedder.kind == "embedding" and embedder.resources.num_gpus == 0 and not embedder.tasks
 
 
 def test_rayservice_runs_the_same_applications() -> None:

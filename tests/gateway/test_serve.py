@@ -434,6 +434,59 @@ def _gateway_actors() -> set[str]:
             if a["name"].startswith(f"SERVE_REPLICA::{GATEWAY_APP}#Gateway")}
 
 
+EMBED_SPEC_PATH = SPEC_PATH.parent / "all-minilm-l6-v2.yaml"
+EMBED_TEXTS = ["The cat sat on the mat.", "Quarterly revenue grew by 12%.", "naïve café"]
+
+
+def test_embedding_model_as_its_own_application(platform: Platform) -> None:
+    """The bundled all-MiniLM-L6-v2 spec on Ray Serve (EmbeddingServer): listed with its kind, started by its first
+    request (a cold start), the official client's vectors equal sentence-transformers', refusals cross the Ray
+    boundary as the same 400s naming the field, and the usage event bills the input tokens."""
+    import numpy as np
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    from gateway.embedding_source import read_embedding_model
+
+    data = load_spec(EMBED_SPEC_PATH).model_dump(mode="json")
+    data["resources"]["num_cpus"] = 0  # beside the chat replica on this 2-CPU cluster
+    data["autoscaling"].update(min_replicas=0, max_replicas=1)
+    spec = ModelSpec.model_validate(data)
+    ops.deploy_model(platform.db, spec, platform.settings)
+    try:
+        wait_until(lambda: _listed_name(platform, spec.name), 30, "the embedding model to be listed")
+        models = httpx.get(f"{platform.url}/v1/models", headers={"Authorization": f"Bearer {platform.key}"}).json()
+        kinds = {m["id"]: m["kind"] for m in models["data"]}
+        assert kinds[spec.name] == "embedding" and kinds[platform.model] == "chat"
+        client = openai.OpenAI(base_url=platform.url + "/v1", api_key=platform.key, max_retries=0, timeout=180)
+        raw = client.embeddings.with_raw_response.create(model=spec.name, input=EMBED_TEXTS, user="bob")
+        assert COLD_START_HEADER in raw.headers  # scaled to zero: this request started the replica
+        r = raw.parse()
+        reference = SentenceTransformer(str(read_embedding_model(spec.source).directory), device="cpu")
+        np.testing.assert_allclose(np.asarray([d.embedding for d in r.data]), reference.encode(EMBED_TEXTS),
+                                   atol=1e-5, rtol=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.embeddings.create(model=spec.name, input=["fine", "word " * 300])
+        assert caught.value.param == "input" and "reads at most 256" in caught.value.message
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.embeddings.create(model=spec.name, input="hi", dimensions=64)
+        assert caught.value.param == "dimensions"
+        chat = platform.chat(model=spec.name)
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
+        def recorded() -> list:
+            with platform.db.connect() as conn:
+                return list(conn.execute(select(UsageEvent).where(UsageEvent.model == spec.name)).all())
+
+        [event] = wait_until(recorded, 30, "the usage event")
+        assert (event.endpoint, event.status, event.end_user) == ("embeddings", "ok", "bob")
+        assert event.prompt_tokens == r.usage.prompt_tokens == sum(
+            len(reference.tokenizer(t)["input_ids"]) for t in EMBED_TEXTS)
+        assert event.completion_tokens == 0 and event.cost_usd > 0
+    finally:
+        ops.delete_model(spec.name)
+        wait_until(lambda: not _listed_name(platform, spec.name), 30, "the embedding model to go")
+
+
 def test_shared_cache_deployment(platform: Platform) -> None:
     """It redeploys the gateway with the semantic cache as its own deployment (only the stop test follows)."""
     deploy_gateway(platform.settings.model_copy(update={"semantic_cache": True}))

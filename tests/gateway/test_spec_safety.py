@@ -134,4 +134,5 @@ def test_platform_deploy_refuses_a_traversing_spec_before_any_cluster(tmp_path, 
 
 
 def test_the_bundled_specs_still_load():
-    assert {load_spec(p).name for p in MODELS_DIR.glob("*.yaml")} == {"smollm2-135m", "llama-3.1-8b"}
+    assert {load_spec(p).name for p in MODELS_DIR.glob("*.yaml")} == {"smollm2-135m", "llama-3.1-8b",
+                                                                       "all-minilm-l6-v2"}
