@@ -134,6 +134,7 @@ class KeyInfo:
     budget_usd: Decimal | None
     revoked: bool
     created_at: datetime
+    alert_at: float | None = None  # soft budget: the share of budget_usd at which one alert fires a month
 
 
 def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
@@ -142,7 +143,8 @@ def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
         text_field("tenant", tenant)
         q = q.where(Tenant.name == tenant)
     with Session(engine) as s:
-        return [KeyInfo(k.id, k.prefix, t, k.name, k.project, k.rpm, k.tpm, k.budget_usd, k.revoked, k.created_at)
+        return [KeyInfo(k.id, k.prefix, t, k.name, k.project, k.rpm, k.tpm, k.budget_usd, k.revoked, k.created_at,
+                        k.alert_at)
                 for k, t in s.execute(q)]
 
 

@@ -1,6 +1,7 @@
 """Budgets against what is spent this month, read from the spend counters the ledger keeps (one indexed
 lookup per budget, no scan of usage events): each budgeted tenant's use for /metrics, and every tenant's,
-key's, end user's and tag's budget with the reservations of the requests in flight for the dashboard."""
+key's, end user's and tag's budget with the reservations of the requests in flight and its soft alert share
+for the dashboard."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from decimal import Decimal
 from sqlalchemy import JSON, Engine, Float, and_, cast, column, func, null, select, true
 
 from billing.models import ApiKey, Reservation, ScopedBudget, SpendCounter, Tenant
+from billing.money import dollars
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ def tenant_budget_use(engine: Engine, month: str, limit: int = 500) -> list[Budg
         return [BudgetUse(name, s, b) for name, s, b in conn.execute(q)]
 
 
+def alert_threshold(budget_usd: Decimal, alert_at: float) -> Decimal:
+    """The spend at which a soft budget alerts, as billing/budget_alerts.py compares it, to the nano-dollar."""
+    return dollars(budget_usd * Decimal(repr(alert_at)))
+
+
 @dataclass(frozen=True)
 class BudgetLine:
     """One monthly budget (a tenant's, a key's, or a tenant's end user's or tag's) with what is spent and what
@@ -53,10 +60,15 @@ class BudgetLine:
     spent_usd: Decimal
     reserved_usd: Decimal  # the worst cases of requests in flight (billing/reservations.py)
     in_flight: int  # how many requests hold those reservations
+    alert_at: float | None = None  # a soft budget: the share of budget_usd at which one alert fires a month
 
     @property
     def left_usd(self) -> Decimal:
         return self.budget_usd - self.spent_usd - self.reserved_usd
+
+    @property
+    def alert_usd(self) -> Decimal | None:
+        return None if self.alert_at is None else alert_threshold(self.budget_usd, self.alert_at)
 
     @property
     def used_ratio(self) -> float:
@@ -83,10 +95,11 @@ def _lines(engine: Engine, month: str, scope: str) -> list[BudgetLine]:
     flying = (select(owner.label("sid"), func.count().label("n")).where(r.period == month, held.is_not(None))
               .group_by(owner).subquery())
     if scope == "tenant":
-        q = select(Tenant.id, Tenant.name, null(), null(), Tenant.budget_usd).where(Tenant.budget_usd.is_not(None))
+        q = (select(Tenant.id, Tenant.name, null(), null(), Tenant.budget_usd, Tenant.alert_at)
+             .where(Tenant.budget_usd.is_not(None)))
         sid = Tenant.id
     else:
-        q = (select(ApiKey.id, Tenant.name, ApiKey.prefix, ApiKey.name, ApiKey.budget_usd)
+        q = (select(ApiKey.id, Tenant.name, ApiKey.prefix, ApiKey.name, ApiKey.budget_usd, ApiKey.alert_at)
              .join(Tenant, Tenant.id == ApiKey.tenant_id)
              .where(ApiKey.budget_usd.is_not(None), ApiKey.revoked.is_(False)))
         sid = ApiKey.id
@@ -94,20 +107,21 @@ def _lines(engine: Engine, month: str, scope: str) -> list[BudgetLine]:
          .outerjoin(c, and_(c.scope == scope, c.scope_id == sid, c.period == month))
          .outerjoin(flying, flying.c.sid == sid))
     with engine.connect() as conn:
-        return [BudgetLine(scope, i, t, p, n, None, b, s, h, int(f)) for i, t, p, n, b, s, h, f in conn.execute(q)]
+        return [BudgetLine(scope, i, t, p, n, None, b, s, h, int(f), a)
+                for i, t, p, n, b, a, s, h, f in conn.execute(q)]
 
 
 def _scoped_lines(engine: Engine, month: str) -> list[BudgetLine]:
     b, c = ScopedBudget, SpendCounter
     flying = _scoped_in_flight(engine.dialect.name, month)
     q = (select(b.scope, b.id, Tenant.name, b.name, b.budget_usd, func.coalesce(c.spent_usd, 0),
-                func.coalesce(c.reserved_usd, 0), func.coalesce(flying.c.n, 0))
+                func.coalesce(c.reserved_usd, 0), func.coalesce(flying.c.n, 0), b.alert_at)
          .join(Tenant, Tenant.id == b.tenant_id)
          .outerjoin(c, and_(c.scope == b.scope, c.scope_id == b.id, c.period == month))
          .outerjoin(flying, and_(flying.c.scope == b.scope, flying.c.sid == b.id)))
     with engine.connect() as conn:
-        return [BudgetLine(scope, i, t, None, None, n, budget, s, h, int(f))
-                for scope, i, t, n, budget, s, h, f in conn.execute(q)]
+        return [BudgetLine(scope, i, t, None, None, n, budget, s, h, int(f), a)
+                for scope, i, t, n, budget, s, h, f, a in conn.execute(q)]
 
 
 def _scoped_in_flight(dialect: str, month: str):  # type: ignore[no-untyped-def]

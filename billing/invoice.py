@@ -23,6 +23,7 @@ from sqlalchemy import Engine, func, select
 
 from billing.field_checks import text_field
 from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from billing.money import dollars
 from billing.report_query import Db, connect_engine, within
 
 ROUNDING_RULE = ("the exact total is rounded half-up to cents; each line has its exact amount's whole cents, "
@@ -42,6 +43,8 @@ class InvoiceLine:
     amount_cents: int
     savings_cents: int = 0  # cache_hit lines: list-price value of the tokens minus what was charged
     gpu_seconds: Decimal = Decimal(0)  # gpu_time lines
+    exact_usd: Decimal = Decimal(0)  # the line's amount before its cents are allocated, to the nano-dollar
+    exact_savings_usd: Decimal = Decimal(0)  # likewise its savings
 
     @property
     def unit(self) -> str:
@@ -67,6 +70,11 @@ class Invoice:
     @property
     def savings_cents(self) -> int:
         return sum(line.savings_cents for line in self.lines)
+
+    @property
+    def exact_usd(self) -> Decimal:
+        """The lines' exact amounts added up, each to the nano-dollar (total_cents is within half a cent of it)."""
+        return sum((line.exact_usd for line in self.lines), Decimal(0))
 
 
 def to_cents(amount: Decimal) -> int:
@@ -111,7 +119,8 @@ def build_invoice(db: Db, tenant: str, month: str, cache_price_per_1m: Decimal =
                           seconds * per_hour / 3600, Decimal(0)))
     amounts = allocate_cents([a for _, a, _ in exact])
     savings = allocate_cents([s for _, _, s in exact])
-    lines = tuple(replace(line, amount_cents=a, savings_cents=s) for (line, _, _), a, s in zip(exact, amounts, savings))
+    lines = tuple(replace(line, amount_cents=a, savings_cents=s, exact_usd=dollars(x), exact_savings_usd=dollars(y))
+                  for (line, x, y), a, s in zip(exact, amounts, savings))
     return Invoice(f"{month}-{tenant_id:06d}", tenant, month, start, end, requests, lines)
 
 

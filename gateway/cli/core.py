@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from billing.migrate import open_database
-from gateway.cli.args import date_arg
+from gateway.cli.args import UNTIL_HELP, date_arg
 from gateway.cli.output import print_frame, print_rows
 from gateway.settings import Settings
 from tollgate import envs
@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
     usage = sub.add_parser("usage", help="usage and cost")
     usage.add_argument("--tenant")
     usage.add_argument("--since", type=date_arg, help="YYYY-MM-DD (inclusive, UTC)")
-    usage.add_argument("--until", type=date_arg, help="YYYY-MM-DD (exclusive, UTC)")
+    usage.add_argument("--until", type=date_arg, help=UNTIL_HELP)
     usage.add_argument("--user", help="only this end user (the requests' `user` field)")
     usage.add_argument("--tag", help="only events carrying this tag (a key's project or a request's metadata.tags)")
     usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from billing.migrate import open_database
-from gateway.cli.args import date_arg
+from gateway.cli.args import UNTIL_HELP, date_arg
 from gateway.settings import Settings
 
 REPORT_FORMATS = ("csv", "json", "parquet")
@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
 
     rep = subparsers.add_parser("report", help="cost per tenant, day and model (revenue, GPU cost, margin)")
     rep.add_argument("--since", type=date_arg, help="YYYY-MM-DD (inclusive, UTC)")
-    rep.add_argument("--until", type=date_arg, help="YYYY-MM-DD (exclusive, UTC)")
+    rep.add_argument("--until", type=date_arg, help=UNTIL_HELP)
     rep.add_argument("--format", choices=REPORT_FORMATS, required=True)
     rep.add_argument("--kind", choices=REPORT_KINDS, default="usage",
                      help="usage: per tenant × day × model with GPU cost and margin (default); "

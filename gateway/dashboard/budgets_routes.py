@@ -1,7 +1,7 @@
 """Budgets: each tenant's, key's, end user's and tag's monthly budget against what is spent and what the
 requests in flight hold (their reservations' worst cases), from the spend counters that admission itself
-checks. An end user's or tag's line links to the request log filtered to its tenant, its user or tag, and the
-month."""
+checks, with its soft alert (`alert_at`: the share of the budget at which one alert fires a month). An end
+user's or tag's line links to the request log filtered to its tenant, its user or tag, and the month."""
 
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ from gateway.dashboard.stats import today_utc
 
 router = APIRouter(route_class=OutagePageRoute)
 COLUMNS = ["month", "scope", "tenant", "key_id", "key_prefix", "key_name", "name", "budget_usd", "spent_usd",
-           "reserved_usd", "in_flight", "left_usd", "used_ratio"]
+           "reserved_usd", "in_flight", "left_usd", "used_ratio", "alert_at", "alert_usd"]
 
 
 def as_row(month: str, b: BudgetLine) -> dict[str, Any]:
     return {"month": month, "scope": b.scope, "tenant": b.tenant, "key_id": b.scope_id if b.scope == "key" else None,
             "key_prefix": b.key_prefix, "key_name": b.key_name, "name": b.name, "budget_usd": amount_text(b.budget_usd),
             "spent_usd": amount_text(b.spent_usd), "reserved_usd": amount_text(b.reserved_usd),
-            "in_flight": b.in_flight, "left_usd": amount_text(b.left_usd), "used_ratio": round(b.used_ratio, 6)}
+            "in_flight": b.in_flight, "left_usd": amount_text(b.left_usd), "used_ratio": round(b.used_ratio, 6),
+            "alert_at": b.alert_at, "alert_usd": None if b.alert_usd is None else amount_text(b.alert_usd)}
 
 
 def log_link(q: ViewQuery, month: str, b: BudgetLine) -> str | None:
@@ -51,5 +52,5 @@ async def budgets(request: Request, session: AdminSession = Depends(admin_sessio
     lines = await run_in_threadpool(budget_lines, gateway(request).db, month)
     if q.format != "html":
         return export(q.format, f"budgets-{month}", COLUMNS, (as_row(month, b) for b in lines))
-    rows = [(b, meter(b.spent_usd, b.reserved_usd, b.budget_usd), log_link(q, month, b)) for b in lines]
+    rows = [(b, meter(b.spent_usd, b.reserved_usd, b.budget_usd, b.alert_at), log_link(q, month, b)) for b in lines]
     return admin_page(request, session, "budgets.html", title="Budgets", q=q, month=month, rows=rows)

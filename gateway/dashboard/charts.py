@@ -210,17 +210,21 @@ def hbar_chart(labels: list[str], series: Sequence[tuple[str, Sequence[Number]]]
 
 @dataclass(frozen=True)
 class Meter:
-    """A budget's bar: spent, then reserved by requests in flight, on a track that is the whole budget."""
+    """A budget's bar: spent, then reserved by requests in flight, on a track that is the whole budget; a soft
+    budget's alert share as a tick."""
 
     width: int
     spent_w: float
     reserved_w: float
     over: bool  # spent + reserved past the budget
+    alert_x: float | None = None  # a soft budget's alert share, marked on the track
 
 
-def meter(spent: Decimal, reserved: Decimal, budget: Decimal, width: int = 180) -> Meter:
+def meter(spent: Decimal, reserved: Decimal, budget: Decimal, alert_at: float | None = None,
+          width: int = 140) -> Meter:
+    alert_x = None if alert_at is None else min(width - 1.0, width * alert_at)
     if budget <= 0:
-        return Meter(width, float(width) if spent + reserved > 0 else 0.0, 0.0, spent + reserved > 0)
+        return Meter(width, float(width) if spent + reserved > 0 else 0.0, 0.0, spent + reserved > 0, alert_x)
     spent_w = min(float(width), width * float(spent / budget))
     reserved_w = min(float(width) - spent_w, width * float(reserved / budget))
-    return Meter(width, spent_w, reserved_w, spent + reserved > budget)
+    return Meter(width, spent_w, reserved_w, spent + reserved > budget, alert_x)

@@ -40,10 +40,12 @@ async def gpu(request: Request, session: AdminSession = Depends(admin_session)) 
     rows = await run_in_threadpool(lambda: gpu_seconds_per_tenant(db, model=events.model, tenant=events.tenant,
                                                                   since=events.since, until=events.until))
     all_s = sum((r.total_s for r in rows), Decimal(0))
+    everyone = TenantGpuTime("All", sum((r.busy_s for r in rows), Decimal(0)),
+                             sum((r.idle_s for r in rows), Decimal(0)), sum((r.cost_usd for r in rows), Decimal(0)))
     if q.format != "html":
         return export(q.format, "gpu-seconds", COLUMNS, (as_row(r, all_s) for r in rows))
     chart = hbar_chart([r.tenant for r in rows], [("busy", [r.busy_s for r in rows]), ("idle", [r.idle_s for r in rows])],
                        [BUSY, IDLE], seconds, [seconds(r.total_s) for r in rows], seconds_tick) if rows else None
     choices = await run_in_threadpool(filter_choices, db, q.params)
     return admin_page(request, session, "gpu.html", title="GPU time", q=q, rows=[(r, as_row(r, all_s)) for r in rows],
-                      all_s=all_s, chart=chart, choices=choices, filter_fields=FIELDS)
+                      everyone=everyone, chart=chart, choices=choices, filter_fields=FIELDS)

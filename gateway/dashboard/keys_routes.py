@@ -1,24 +1,38 @@
-"""Keys: list tenants' API keys, create one (its secret is shown on this one response only), revoke
-one, change its limits."""
+"""Keys: list tenants' API keys (as CSV or JSON too: never a secret, only display prefixes), create one (its
+secret is shown on this one response only), revoke one, change its limits."""
 
 from __future__ import annotations
 
 import logging
 import math
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from billing.accounts import AccountError, CreatedKey, create_key, list_keys, list_tenants, revoke_key
+from billing.accounts import AccountError, CreatedKey, KeyInfo, create_key, list_keys, list_tenants, revoke_key
 from billing.key_limits import set_key_limits
+from billing.money import amount_text
+from gateway.dashboard.exports import export
 from gateway.dashboard.outage_page import OutagePageRoute
 from gateway.dashboard.guard import AdminForm, admin_form, admin_page, admin_session, gateway, redirect
+from gateway.dashboard.query_params import ViewQuery
 from gateway.dashboard.session import AdminSession
 
 log = logging.getLogger("tollgate.dashboard")
 router = APIRouter(route_class=OutagePageRoute)
 NOTICES = {"revoked": "Key revoked.", "limits": "Limits saved."}
+COLUMNS = ["key_id", "key_prefix", "tenant", "name", "project", "status", "rpm", "tpm", "budget_usd", "alert_at",
+           "created_at"]
+
+
+def as_row(k: KeyInfo) -> dict[str, Any]:
+    return {"key_id": k.id, "key_prefix": k.prefix, "tenant": k.tenant, "name": k.name, "project": k.project,
+            "status": "revoked" if k.revoked else "active", "rpm": k.rpm, "tpm": k.tpm,
+            "budget_usd": None if k.budget_usd is None else amount_text(k.budget_usd), "alert_at": k.alert_at,
+            "created_at": k.created_at}
 
 
 class FormError(ValueError):
@@ -43,18 +57,25 @@ def _int(value: int | float | None) -> int | None:
 
 
 async def _keys_page(request: Request, session: AdminSession, status_code: int = 200, *,
-                     created: CreatedKey | None = None, error: str | None = None) -> Response:
+                     created: CreatedKey | None = None, error: str | None = None,
+                     notice: str | None = None) -> Response:
     db = gateway(request).db
     keys = await run_in_threadpool(list_keys, db)
     tenants = await run_in_threadpool(list_tenants, db)
-    notice = NOTICES.get(request.query_params.get("done", ""))
     return admin_page(request, session, "keys.html", status_code, title="Keys", keys=keys,
                       tenants=[t.name for t in tenants], created=created, error=error, notice=notice)
 
 
 @router.get("/keys")
 async def keys(request: Request, session: AdminSession = Depends(admin_session)) -> Response:
-    return await _keys_page(request, session)
+    q = ViewQuery(request, ("done",))
+    done = q.choice("done", tuple(NOTICES), "")
+    if q.format != "html":
+        if done:
+            q.refuse("done", "is the page's notice; an export has every key, so leave it out")
+        keys = await run_in_threadpool(list_keys, gateway(request).db)
+        return export(q.format, "keys", COLUMNS, map(as_row, keys))
+    return await _keys_page(request, session, notice=NOTICES.get(done))
 
 
 @router.post("/keys")

@@ -4,10 +4,12 @@ recorded with each deployment's spec."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 
 from sqlalchemy import Engine
 
 from billing.deployments import deployments
+from billing.money import ZERO
 from gateway.backends import ModelBackend
 
 
@@ -20,9 +22,10 @@ class ModelRow:
     live_replicas: int
     min_replicas: int | None
     max_replicas: int | None
-    input_per_1m: float
-    output_per_1m: float
-    gpu_hour: float
+    input_per_1m: Decimal
+    cached_input_per_1m: Decimal | None  # prompt tokens read from the KV prefix cache; None: the input price
+    output_per_1m: Decimal
+    gpu_hour: Decimal
 
 
 def live_replicas(backend: ModelBackend) -> int:
@@ -43,6 +46,6 @@ def model_rows(db: Engine, backends: dict[str, ModelBackend]) -> list[ModelRow]:
         scaling = dep.spec.get("autoscaling", {}) if dep is not None else {}
         rows.append(ModelRow(name, info.state, info.reason, info.max_model_len, live_replicas(backend),
                              scaling.get("min_replicas"), scaling.get("max_replicas"),
-                             dep.input_per_1m if dep else 0.0, dep.output_per_1m if dep else 0.0,
-                             dep.gpu_hour if dep else 0.0))
+                             dep.input_per_1m if dep else ZERO, dep.cached_input_per_1m if dep else None,
+                             dep.output_per_1m if dep else ZERO, dep.gpu_hour if dep else ZERO))
     return rows

@@ -27,7 +27,8 @@ CHART_DAYS = (7, 30, 90)
 TOP_GROUPS = 8  # the overview's chart: the tenants (or models) that spent most, the rest as one
 OTHERS = {"tenant": "other tenants", "model": "other models"}
 SPEND_COLUMNS = ["requests", "prompt_tokens", "completion_tokens", "cost_usd"]
-TENANT_COLUMNS = ["tenant", "budget_usd", "active_keys", "requests_month", "spend_month_usd", "spend_total_usd"]
+TENANT_COLUMNS = ["tenant", "budget_usd", "alert_at", "active_keys", "requests_month", "spend_month_usd",
+                  "spend_total_usd"]
 
 
 @router.get("")
@@ -101,5 +102,5 @@ async def tenants(request: Request, session: AdminSession = Depends(admin_sessio
 
 def tenant_row(r: stats.TenantRow) -> dict[str, Any]:
     return {"tenant": r.name, "budget_usd": None if r.budget_usd is None else amount_text(r.budget_usd),
-            "active_keys": r.active_keys, "requests_month": r.requests_month,
+            "alert_at": r.alert_at, "active_keys": r.active_keys, "requests_month": r.requests_month,
             "spend_month_usd": amount_text(r.spend_month_usd), "spend_total_usd": amount_text(r.spend_total_usd)}

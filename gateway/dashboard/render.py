@@ -11,6 +11,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.responses import HTMLResponse, Response
 
+from billing.budget_use import alert_threshold
 from billing.money import usd as money_text
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -50,7 +51,7 @@ def seconds(value: float | Decimal | int) -> str:
 
 _env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, undefined=StrictUndefined,
                    trim_blocks=True, lstrip_blocks=True)
-_env.filters.update(usd=usd, cents=cents, pct=pct, count=count, seconds=seconds)
+_env.filters.update(usd=usd, cents=cents, pct=pct, count=count, seconds=seconds, alert_usd=alert_threshold)
 
 
 def page(name: str, status_code: int = 200, **context: Any) -> HTMLResponse:

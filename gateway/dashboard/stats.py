@@ -9,7 +9,7 @@ from decimal import Decimal
 
 from sqlalchemy import Engine, case, func, select
 
-from billing.cache_savings import NOTHING, savings_by_tenant_model
+from billing.cache_savings import NOTHING, Savings, savings_by_tenant_model
 from billing.event_filter import EventFilter
 from billing.models import ApiKey, Tenant, UsageEvent
 from billing.money import ZERO
@@ -30,18 +30,16 @@ class Totals:
     spend_usd: Decimal
     requests: int
     tokens: int
-    cache_hits: int
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cache_hits / self.requests if self.requests else 0.0
 
 
 @dataclass(frozen=True)
 class Overview:
+    month_start: date
     today: Totals
     month: Totals
-    cache_savings_usd: Decimal  # this month, at list prices (semantic and KV prefix cache)
+    # this month, at list prices: the semantic cache's hits and what they saved, and apart from them the prompt
+    # tokens models read from their KV prefix caches and what the cached-input price saved on them
+    cache: Savings
     gpu_alive_h: float  # this month
     gpu_idle_rate: float
 
@@ -49,20 +47,20 @@ class Overview:
 def _totals(db: Engine, since: date) -> Totals:
     ev = UsageEvent
     q = select(func.coalesce(func.sum(ev.cost_usd), 0), func.count(ev.id),
-               func.coalesce(func.sum(ev.prompt_tokens + ev.completion_tokens), 0),
-               func.coalesce(func.sum(case((ev.cache_hit.is_(True), 1), else_=0)), 0))
+               func.coalesce(func.sum(ev.prompt_tokens + ev.completion_tokens), 0))
     with db.connect() as conn:
-        spend, requests, tokens, hits = conn.execute(within(q, ev.created_at, since, None)).one()
-    return Totals(spend, int(requests), int(tokens), int(hits))
+        spend, requests, tokens = conn.execute(within(q, ev.created_at, since, None)).one()
+    return Totals(spend, int(requests), int(tokens))
 
 
 def overview(db: Engine) -> Overview:
     day = today_utc()
     start = month_start(day)
-    savings = sum((r.savings for r in savings_by_tenant_model(db, EventFilter(since=start))), NOTHING).total_usd
+    cache = sum((r.savings for r in savings_by_tenant_model(db, EventFilter(since=start))), NOTHING)
     gpu = gpu_by_model(db, since=start)
     alive, busy = float(gpu["alive_h"].sum()), float(gpu["busy_h"].sum())
-    return Overview(_totals(db, day), _totals(db, start), savings, alive, (alive - busy) / alive if alive else 0.0)
+    return Overview(start, _totals(db, day), _totals(db, start), cache, alive,
+                    (alive - busy) / alive if alive else 0.0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +71,7 @@ class TenantRow:
     requests_month: int
     spend_month_usd: Decimal
     spend_total_usd: Decimal
+    alert_at: float | None = None  # soft budget: the share of budget_usd at which one alert fires a month
 
 
 def tenant_rows(db: Engine) -> list[TenantRow]:
@@ -85,12 +84,13 @@ def tenant_rows(db: Engine) -> list[TenantRow]:
              .group_by(ev.tenant_id).subquery())
     keys = (select(ApiKey.tenant_id.label("tid"), func.count(ApiKey.id).label("n"))
             .where(ApiKey.revoked.is_(False)).group_by(ApiKey.tenant_id).subquery())
-    q = (select(Tenant.name, Tenant.budget_usd, keys.c.n, spend.c.requests, spend.c.month, spend.c.total)
+    q = (select(Tenant.name, Tenant.budget_usd, keys.c.n, spend.c.requests, spend.c.month, spend.c.total,
+                Tenant.alert_at)
          .outerjoin(spend, spend.c.tid == Tenant.id).outerjoin(keys, keys.c.tid == Tenant.id)
          .order_by(Tenant.name))
     with db.connect() as conn:
-        return [TenantRow(n, b, int(k or 0), int(r or 0), m or ZERO, t or ZERO)
-                for n, b, k, r, m, t in conn.execute(q)]
+        return [TenantRow(n, b, int(k or 0), int(r or 0), m or ZERO, t or ZERO, a)
+                for n, b, k, r, m, t, a in conn.execute(q)]
 
 
 @dataclass(frozen=True)

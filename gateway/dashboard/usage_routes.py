@@ -1,5 +1,6 @@
 """Usage: spend per key, end user, tag, tenant or model, with requests and tokens beside the dollars; each
-group links to the request log filtered to its events."""
+group links to the request log filtered to its events. Keys, end users and tags belong to a tenant: their rows
+name it, and their links filter by it too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from billing.breakdowns import BREAKDOWNS, BreakdownRow, breakdown
+from billing.breakdowns import BREAKDOWNS, PER_TENANT, BreakdownRow, breakdown
 from billing.money import amount_text
 from gateway.dashboard.charts import colors, hbar_chart
 from gateway.dashboard.exports import export
@@ -37,7 +38,23 @@ def as_row(row: BreakdownRow) -> dict[str, Any]:
 def label(by: str, row: BreakdownRow) -> str:
     if row.group is None:
         return NONE_LABEL[by]
-    return f"{row.group}… {row.key_name or ''} ({row.tenant})" if by == "key" else row.group
+    return f"{row.group}… {row.key_name or ''}".rstrip() if by == "key" else row.group
+
+
+def chart_label(by: str, row: BreakdownRow) -> str:
+    return f"{label(by, row)} ({row.tenant})" if by in PER_TENANT and row.tenant is not None else label(by, row)
+
+
+def log_link(q: ViewQuery, by: str, row: BreakdownRow) -> str | None:
+    """The request log of the group's events; none for the events without an end user or tag (the log cannot
+    filter on "none"), nor for an end user or tag of events without a tenant (it would show other tenants')."""
+    if row.group is None:
+        return None
+    if by == "key":
+        return q.filtered_link("/admin/requests", key=row.key_id)
+    if by in ("user", "tag"):
+        return None if row.tenant is None else q.filtered_link("/admin/requests", tenant=row.tenant, **{by: row.group})
+    return q.filtered_link("/admin/requests", **{by: row.group})
 
 
 @router.get("/usage")
@@ -53,11 +70,10 @@ async def usage(request: Request, session: AdminSession = Depends(admin_session)
     more = len(rows) > PAGE_ROWS
     rows = rows[:PAGE_ROWS]
     top = rows[:CHART_ROWS]
-    chart = hbar_chart([label(by, r) for r in top], [("spend", [r.cost_usd for r in top])], colors(1), usd,
+    chart = hbar_chart([chart_label(by, r) for r in top], [("spend", [r.cost_usd for r in top])], colors(1), usd,
                        [usd(r.cost_usd) for r in top]) if top else None
-    links = [None if r.group is None else q.filtered_link("/admin/requests", **{by: r.key_id if by == "key" else r.group})
-             for r in rows]
     choices = await run_in_threadpool(filter_choices, db, q.params)
     return admin_page(request, session, "usage.html", title="Usage", q=q, by=by, breakdowns=BREAKDOWNS,
-                      rows=[(r, label(by, r), link) for r, link in zip(rows, links)], more=more,
+                      per_tenant=by in PER_TENANT, rows=[(r, label(by, r), log_link(q, by, r)) for r in rows],
+                      more=more,
                       page_rows=PAGE_ROWS, chart=chart, choices=choices, filter_fields=FILTERS)

@@ -1,4 +1,5 @@
-"""The dashboard tests' data: tenants (one named like markup, one like SQL), keys with projects and budgets,
+"""The dashboard tests' data: tenants (one named like markup, one like SQL, two with an end user and a tag of the
+same names), keys with projects and budgets (some soft, with an alert share),
 usage events over 40 days on two priced models (statuses, end users, tags, cache hits, prefix-cached
 tokens, sub-cent costs), end-user and tag budgets (billing/scoped_budgets.py: each starts from its month's
 spend), replica intervals split among tenants, and requests in flight holding budget reservations (admitted by
@@ -29,16 +30,21 @@ DROP = "'; DROP TABLE tenants; --"
 EVIL_USER = "<img src=x onerror=alert(1)>"
 FORMULA_USER = '=HYPERLINK("http://evil.example","click")'
 # name: monthly budget
-TENANTS: dict[str, float | None] = {"acme": 100.0, EVIL_TENANT: None, DROP: 0.5, "globex": None, "initech": 20.0}
+TENANTS: dict[str, float | None] = {"acme": 100.0, EVIL_TENANT: None, DROP: 0.5, "globex": None, "initech": 20.0,
+                                    "beta": None}
 # key name: (tenant, project, monthly budget)
 KEYS: dict[str, tuple[str, str | None, float | None]] = {
     "ci": ("acme", "search", 5.0), "web": ("acme", "chat", None), "evil": (EVIL_TENANT, "<b>proj</b>", None),
-    "drop": (DROP, None, 0.01), "globex-prod": ("globex", "billing", None), "initech-app": ("initech", None, None)}
+    "drop": (DROP, None, 0.01), "globex-prod": ("globex", "billing", None), "initech-app": ("initech", None, None),
+    "beta-app": ("beta", "search", None)}
 DROP_USER = "'; DROP TABLE usage_events; --"
 # (tenant, scope, name, monthly budget): a user's budget is its tenant's only (initech's alice spent nothing)
 SCOPED = [("acme", "user", "alice", "1"), ("acme", "tag", "search", "1"), ("initech", "user", "alice", "3"),
           ("globex", "tag", "batch", "1.5"), (EVIL_TENANT, "user", EVIL_USER, "0.5"),
           (EVIL_TENANT, "user", FORMULA_USER, "2"), (DROP, "tag", "a%", "0.001")]
+# soft budgets: (scope, tenant, the key's, end user's or tag's name; None for a tenant's) → alert_at
+ALERT_AT: dict[tuple[str, str, str | None], float] = {("tenant", "acme", None): 0.8, ("key", "acme", "ci"): 0.5,
+                                                      ("user", "acme", "alice"): 0.9, ("tag", DROP, "a%"): 0.25}
 # (tenant, key, worst case, end user, tags) of the requests in flight
 IN_FLIGHT = [("acme", "ci", Decimal("0.25"), "alice", ("search",)), ("acme", "ci", Decimal("0.125"), "bob", ("search",)),
              (DROP, "drop", Decimal("0.000004"), DROP_USER, ("a%",))]
@@ -96,6 +102,9 @@ SEEDED: list[Seed] = [
     Seed(EVIL_TENANT, 2, 0.25, key="evil", user=FORMULA_USER, tags=("<b>proj</b>",)),
     Seed(DROP, 0, "0.000123", model=BIG, key="drop", user=DROP_USER, tags=("a%",)),
     Seed(DROP, 1, "0.000007", model=BIG, key="drop", tags=("a_c",), status="cancelled"),
+    # another tenant's end user and tag of the same names as acme's: not acme's
+    Seed("beta", 0, "0.0004", key="beta-app", user="alice", tags=("search",)),
+    Seed("beta", 5, 0.75, key="beta-app", user="alice", tags=("search", "chat")),
     *_traffic(),
 ]
 
@@ -136,8 +145,9 @@ def chart_total(tenant: str, days: int = 30) -> float:
 def seed(db: Engine) -> dict[str, int]:
     """Everything but the reservations; returns the keys' ids by name."""
     for name, budget in TENANTS.items():
-        create_tenant(db, name, budget_usd=budget)
-    keys = {name: create_key(db, tenant, name=name, project=project, budget_usd=budget).id
+        create_tenant(db, name, budget_usd=budget, alert_at=ALERT_AT.get(("tenant", name, None)))
+    keys = {name: create_key(db, tenant, name=name, project=project, budget_usd=budget,
+                             alert_at=ALERT_AT.get(("key", tenant, name))).id
             for name, (tenant, project, budget) in KEYS.items()}
     record_deployments(db, [{"name": BIG, "pricing": BIG_PRICING}])
     with Session(db) as s, s.begin():
@@ -161,7 +171,8 @@ def seed(db: Engine) -> dict[str, int]:
                                busy_s=Decimal(x.busy_s), idle_s=Decimal(x.idle_s)))
     _spend_counters(db, keys)
     for tenant, scope, name, budget in SCOPED:
-        set_budget(db, tenant, **{scope: name}, budget_usd=Decimal(budget))
+        set_budget(db, tenant, **{scope: name}, budget_usd=Decimal(budget),
+                   alert_at=ALERT_AT.get((scope, tenant, name)))
     return keys
 
 

@@ -1,7 +1,8 @@
 """The admin dashboard over HTTP: sign-in with admin keys only, the session cookie's flags, CSRF on
 every POST, escaping, keys shown once, scaling through the optional hook (the spend, usage, budget,
 GPU, cache, request-log and invoice views: test_dashboard_views.py). No model is loaded: the gateway
-gets a stub backend that only answers info(); the data is tests/gateway/dashboard_seed.py's."""
+gets a stub backend that only answers info() for each of the seed's two priced models; the data is
+tests/gateway/dashboard_seed.py's."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from billing.money import usd
 from gateway.app import create_app
 from gateway.backends import BackendInfo, GenerationChunk, GenerationRequest
 from gateway.settings import Settings
-from gateway.specs import load_spec
+from gateway.specs import Pricing, load_spec
 from tests.billing.dbutil import fresh_database
-from tests.gateway.dashboard_seed import EVIL_TENANT, SEEDED, chart_total, hold_reservations, seed
+from tests.gateway.dashboard_seed import BIG, BIG_PRICING, EVIL_TENANT, SEEDED, chart_total, hold_reservations, seed
 from tests.gateway.live import LiveServer, start
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
@@ -75,7 +76,9 @@ def _serve(url: str) -> Iterator[Dashboard]:
     admin_key = create_admin_key(db, "tests").key
     settings = Settings(database_url=url, key_cache_ttl_s=0.0, semantic_cache=False, admin_key=ENV_ADMIN_KEY)
     spec = load_spec(SPEC_PATH)
-    live = start(create_app(settings, make_engine(url), {spec.name: StubBackend(spec.name)}, [spec]))
+    big = spec.model_copy(update={"name": BIG, "size": "large", "pricing": Pricing(**BIG_PRICING)})  # the seed's
+    backends = {m.name: StubBackend(m.name) for m in (spec, big)}
+    live = start(create_app(settings, make_engine(url), backends, [spec, big]))
     hold_reservations(db, live.gateway.limiter.owner, keys)
     try:
         yield Dashboard(live, db, admin_key, tenant_key, keys)

@@ -1,7 +1,8 @@
 """The admin dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by
 Selenium), one browser for the module: sign in, a tenant's cost chart with the right total, create a key
 (shown once) and revoke it, a tenant's key cannot sign in; then every spend view (overview stacked by
-tenant and by model, usage by tag, budgets of tenants, keys, end users and tags, GPU, cache, request log) with its numbers, and a click from an
+tenant and by model, usage by tag and by end user, budgets of tenants, keys, end users and tags with their soft
+alerts, GPU, cache, the overview's cache cards, models' prices, request log) with its numbers, and a click from an
 invoice line to the requests behind it. Saves a screenshot of each view in the test's tmp dir; set
 TOLLGATE_DASHBOARD_SCREENSHOT=docs/dashboard.png to also copy the overview's there."""
 
@@ -132,6 +133,8 @@ def test_dashboard_in_chromium(dashboard, browser, tmp_path):
     browser.find_element(By.CSS_SELECTOR, f"#key-{row.id} button.revoke").click()
     assert "Key revoked." in browser.find_element(By.CLASS_NAME, "notice").text
     assert browser.find_element(By.CSS_SELECTOR, f"#key-{row.id} .status").text == "revoked"
+    assert browser.find_element(By.CSS_SELECTOR, f"#key-{d.keys['ci']} .alert-at").text == "50.0% ($2.50)"
+    screenshot(browser, tmp_path / "keys.png")
     with Session(d.db) as s:
         assert s.get(ApiKey, row.id).revoked
 
@@ -190,6 +193,22 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
                                  for r in b.find_elements(By.CSS_SELECTOR, "#usage tbody tr")} == expected)
     screenshot(browser, tmp_path / "usage-by-tag.png")
 
+    # by end user: acme's alice and beta's alice are two people, each row naming its tenant and linking to its requests
+    browser.get(url + "/admin/usage?by=user")
+    alices = {r.find_element(By.CLASS_NAME, "tenant").text: r
+              for r in browser.find_elements(By.CSS_SELECTOR, "#usage tbody tr")
+              if r.find_element(By.CLASS_NAME, "group").text == "alice"}
+    beta = [s for s in SEEDED if s.tenant == "beta" and s.user == "alice"]
+    assert set(alices) == {"acme", "beta"}
+    assert alices["beta"].find_element(By.CLASS_NAME, "cost").text == usd(sum(s.cost_usd for s in beta))
+    screenshot(browser, tmp_path / "usage-by-user.png")
+    alices["beta"].find_element(By.CLASS_NAME, "log-link").click()
+    wait_for(browser, lambda b: b.find_element(By.ID, "total-requests").text == str(len(beta)))
+    assert Select(browser.find_element(By.ID, "f-tenant")).first_selected_option.text == "beta"
+    assert browser.find_element(By.ID, "f-user").get_attribute("value") == "alice"
+    dates = browser.find_element(By.ID, "f-dates").text  # what the To field means, and what the CLI's --until does
+    assert "Both days are included" in dates and "first day not counted" in dates
+
     # budgets: spent and the reservations of the requests in flight
     browser.find_element(By.LINK_TEXT, "Budgets").click()
     ci = browser.find_element(By.ID, f"budget-key-{d.keys['ci']}")
@@ -210,6 +229,10 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
     assert scoped[("tag", "search", "(acme)")].find_element(By.CLASS_NAME, "reserved-usd").text == "$0.375 (2 requests)"
     assert scoped[("user", EVIL_USER, f"({EVIL_TENANT})")].find_element(By.CLASS_NAME, "used").text == "100.0%"
     assert scoped[("user", "alice", "(initech)")].find_element(By.CLASS_NAME, "spent-usd").text == "$0.00"
+    # soft budgets: the share and the spend at which the alert fires, and a tick on the meter
+    assert ci.find_element(By.CLASS_NAME, "alert-at").text == "alert at 50.0% ($2.50)"
+    assert row.find_element(By.CLASS_NAME, "alert-at").text == "alert at 90.0% ($0.90)"
+    assert len(ci.find_elements(By.CSS_SELECTOR, "svg.meter line.alert-tick")) == 1
     screenshot(browser, tmp_path / "budgets.png")
     row.find_element(By.CLASS_NAME, "log-link").click()
     wait_for(browser, lambda b: b.find_element(By.ID, "total-requests").text == str(len(alice)))
@@ -220,6 +243,11 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
 
     browser.find_element(By.LINK_TEXT, "GPU").click()
     assert texts(browser, "#gpu tr.gpu-tenant .total") == ["300 s", "249.75 s", "60 s", "50.25 s"]
+    assert [texts(browser, f"#gpu tr.gpu-all .{c}") for c in ("busy", "idle", "total", "cost")] == [
+        ["192.5 s"], ["467.5 s"], ["660 s"], ["$0.25"]]
+    sizes = {browser.find_element(By.CSS_SELECTOR, f"#gpu tr.gpu-tenant td.{c}").value_of_css_property("font-size")
+             for c in ("busy", "idle", "total", "cost")}
+    assert len(sizes) == 1, sizes  # the Total column in the table's own font
     screenshot(browser, tmp_path / "gpu.png")
 
     browser.find_element(By.LINK_TEXT, "Cache").click()
@@ -227,6 +255,22 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
     assert browser.find_element(By.ID, "saved-semantic").text == usd(
         sum(dollars((s.prompt * 2 + s.completion * 6) / 1_000_000) for s in hits))  # all on big-model
     screenshot(browser, tmp_path / "cache.png")
+
+    # the overview's cache cards: the semantic cache's hits and savings, the prefix cache's tokens and savings, apart
+    browser.find_element(By.LINK_TEXT, "Overview").click()
+    month = [s for s in SEEDED if this_month(s)]
+    month_hits = [s for s in month if s.cache_hit]
+    assert browser.find_element(By.ID, "semantic-hits").text == str(len(month_hits))
+    assert browser.find_element(By.ID, "semantic-saved").text == usd(
+        sum(dollars((s.prompt * 2 + s.completion * 6) / 1_000_000) for s in month_hits))
+    cached = sum(s.cached for s in month if not s.cache_hit)  # on big-model only: $2 − $0.5 per 1M cheaper
+    assert browser.find_element(By.ID, "prefix-tokens").text == f"{cached:,}"
+    assert browser.find_element(By.ID, "prefix-saved").text == usd(dollars(cached * 1.5 / 1_000_000))
+    screenshot(browser, tmp_path / "overview-cards.png")
+
+    browser.find_element(By.LINK_TEXT, "Models").click()
+    assert texts(browser, "#models td.cached-price") == ["$0.50", "$0.05 (as input)"]
+    screenshot(browser, tmp_path / "models.png")
 
     # an invoice line, clicked through to the requests behind it
     browser.find_element(By.LINK_TEXT, "Invoices").click()
@@ -238,6 +282,7 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
     behind = [s for s in globex if s.model == MODEL and not s.cache_hit and this_month(s)]
     completion = sum(s.completion for s in behind)
     assert line.find_element(By.CLASS_NAME, "quantity").text == f"{completion:,} tokens"
+    assert line.find_element(By.CLASS_NAME, "exact").text == usd(dollars(completion * 0.1 / 1_000_000))  # $0.10 per 1M
     line.find_element(By.CLASS_NAME, "events-link").click()
     wait_for(browser, lambda b: b.find_element(By.ID, "total-completion").text == f"{completion:,}")
     rows = browser.find_elements(By.CSS_SELECTOR, "#requests tr.request")

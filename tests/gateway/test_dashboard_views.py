@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
+from pathlib import Path
 from urllib.parse import parse_qsl
 
 import httpx
@@ -24,13 +25,16 @@ from markupsafe import escape
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from billing.invoice import build_invoice
+from billing.invoice_render import render
 from billing.models import Tenant, UsageEvent
 from billing.money import amount_text, dollars, usd
 from billing.spend_series import spend_by_day
+from gateway.cli import main as cli_main
 from tests.billing.dbutil import fresh_database
-from tests.gateway.dashboard_seed import (BIG, BIG_PRICING, DROP, EVIL_TENANT, EVIL_USER, FORMULA_USER, IN_FLIGHT,
-                                          INTERVALS, KEYS, MODEL, SCOPED, SEEDED, TENANTS, Seed, created_at, this_month,
-                                          today)
+from tests.gateway.dashboard_seed import (ALERT_AT, BIG, BIG_PRICING, DROP, EVIL_TENANT, EVIL_USER, FORMULA_USER,
+                                          IN_FLIGHT, INTERVALS, KEYS, MODEL, SCOPED, SEEDED, TENANTS, Seed, created_at,
+                                          this_month, today)
 from tests.gateway.test_dashboard import Dashboard, _serve, signed_in_client
 
 PRICES = {MODEL: {"input_per_1m": 0.05, "output_per_1m": 0.10}, BIG: BIG_PRICING}  # the seeded deployments
@@ -95,10 +99,11 @@ def grouped(events: list[Seed], keys: Callable[[Seed], list[Any]]) -> dict[Any, 
     return {k: total(v) for k, v in groups.items()}
 
 
-def summed(rows: list[dict[str, Any]], key: str) -> dict[Any, dict[str, Any]]:
+def summed(rows: list[dict[str, Any]], key: str | tuple[str, ...]) -> dict[Any, dict[str, Any]]:
     out: dict[Any, dict[str, Any]] = {}
     for row in rows:
-        t = out.setdefault(row[key], {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": Decimal(0)})
+        group = row[key] if isinstance(key, str) else tuple(row[k] for k in key)
+        t = out.setdefault(group, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": Decimal(0)})
         for c in ("requests", "prompt_tokens", "completion_tokens"):
             t[c] += row[c]
         t["cost_usd"] += Decimal(row["cost_usd"])
@@ -132,14 +137,17 @@ def test_overview_stacks_spend_by_tenant_and_by_model(dashboard, client):
 
 def test_usage_per_key_user_and_tag_matches_the_events(dashboard, client):
     key_names = {i: name for name, i in dashboard.keys.items()}
+    # end users and tags are a tenant's: one row per (tenant, name)
     expected = {"key": grouped(SEEDED, lambda e: [dashboard.keys[e.key]]),
-                "user": grouped(SEEDED, lambda e: [e.user]),
-                "tag": grouped(SEEDED, lambda e: list(e.tags)),
+                "user": grouped(SEEDED, lambda e: [(e.tenant, e.user)]),
+                "tag": grouped(SEEDED, lambda e: [(e.tenant, t) for t in e.tags]),
                 "tenant": grouped(SEEDED, lambda e: [e.tenant]),
                 "model": grouped(SEEDED, lambda e: [e.model])}
+    group_of = {"key": "key_id", "user": ("tenant", "group"), "tag": ("tenant", "group")}
     for by, want in expected.items():
         rows = both(client, "/admin/usage", by=by)
-        assert summed(rows, "key_id" if by == "key" else "group") == want, by
+        assert len(rows) == len(want), by  # no two rows of one group
+        assert summed(rows, group_of.get(by, "group")) == want, by
         assert [Decimal(r["cost_usd"]) for r in rows] == sorted((Decimal(r["cost_usd"]) for r in rows), reverse=True)
         if by == "key":
             assert {r["key_id"]: (r["key_name"], r["tenant"]) for r in rows} == {
@@ -166,8 +174,34 @@ def test_usage_per_key_user_and_tag_matches_the_events(dashboard, client):
 
     page = client.get("/admin/usage", params={"by": "user"}).text
     assert escape(EVIL_USER) in page and EVIL_USER not in page
-    link = html.unescape(re.search(r'href="([^"]+)" class="log-link"', page).group(1))
-    assert link.startswith("/admin/requests?user=")
+
+
+@pytest.mark.parametrize(("by", "name"), [("user", "alice"), ("tag", "search")])
+def test_an_end_user_or_tag_of_one_name_in_two_tenants_is_two_rows_each_linked_to_its_own_requests(client, by, name):
+    def mine(e: Seed) -> bool:
+        return e.user == name if by == "user" else name in e.tags
+
+    tenants = {e.tenant for e in SEEDED if mine(e)}
+    assert tenants == {"acme", "beta"}
+    want = {t: [e for e in SEEDED if e.tenant == t and mine(e)] for t in tenants}
+    rows = [r for r in both(client, "/admin/usage", by=by) if r["group"] == name]
+    assert {r["tenant"]: (r["requests"], Decimal(r["cost_usd"])) for r in rows} == {
+        t: (len(events), total(events)["cost_usd"]) for t, events in want.items()}
+    assert len(rows) == 2
+
+    page = client.get("/admin/usage", params={"by": by}).text
+    shown = {}
+    for row in page.split("<tbody>")[1].split("</tbody>")[0].split("<tr>")[1:]:
+        group = html.unescape(re.search(r'<td class="group">([^<]*)</td>', row).group(1))
+        tenant = html.unescape(re.search(r'<td class="tenant">([^<]*)</td>', row).group(1))
+        link = re.search(r'href="([^"]+)" class="log-link"', row)
+        if group == name:
+            shown[tenant] = html.unescape(link.group(1))
+    assert set(shown) == tenants
+    for tenant, link in shown.items():
+        assert dict(parse_qsl(link.partition("?")[2])) == {"tenant": tenant, by: name}
+        assert {r["request_id"] for r in exported(client, link, "json")} == ids(want[tenant])
+    assert f"<title>{name} (beta)</title>" in page and f"<title>{name} (acme)</title>" in page  # the chart's bars too
 
 
 def _scoped_events(tenant: str, scope: str, name: str) -> list[Seed]:
@@ -258,23 +292,45 @@ def test_gpu_seconds_per_tenant_add_up_to_the_replicas_time(client):
     assert client.get("/admin/gpu").text.count('class="segment"') == 7  # busy and idle of 3 tenants, idle of none
 
 
+def _savings(events: list[Seed]) -> tuple[int, int, Decimal, int, Decimal]:
+    """(requests, semantic-cache hits, what they saved, prefix-cached tokens, what they saved) over one model's
+    events, at its list prices."""
+    p = PRICES[events[0].model]
+    assert {e.model for e in events} == {events[0].model}
+    hits = [e for e in events if e.cache_hit]
+    semantic = dollars(sum(Decimal(str(p["input_per_1m"])) * e.prompt + Decimal(str(p["output_per_1m"])) * e.completion
+                           for e in hits) / 1_000_000)
+    cheaper = Decimal(str(p["input_per_1m"])) - Decimal(str(p.get("cached_input_per_1m", p["input_per_1m"])))
+    cached = sum(e.cached for e in events if not e.cache_hit)
+    return len(events), len(hits), semantic, cached, dollars(cached * cheaper / 1_000_000)
+
+
 def test_cache_savings_are_exact_at_list_prices(client):
     rows = both(client, "/admin/cache")
-    want = {}
-    for (tenant, model), events in _by(SEEDED, lambda e: (e.tenant, e.model)).items():
-        p = PRICES[model]
-        hits = [e for e in events if e.cache_hit]
-        semantic = dollars(sum(Decimal(str(p["input_per_1m"])) * e.prompt + Decimal(str(p["output_per_1m"])) * e.completion
-                               for e in hits) / 1_000_000)
-        cheaper = Decimal(str(p["input_per_1m"])) - Decimal(str(p.get("cached_input_per_1m", p["input_per_1m"])))
-        cached = sum(e.cached for e in events if not e.cache_hit)
-        want[(tenant, model)] = (len(events), len(hits), semantic, cached, dollars(cached * cheaper / 1_000_000))
+    want = {key: _savings(events) for key, events in _by(SEEDED, lambda e: (e.tenant, e.model)).items()}
     got = {(r["tenant"], r["model"]): (r["requests"], r["cache_hits"], Decimal(r["semantic_savings_usd"]),
                                        r["prefix_cached_tokens"], Decimal(r["prefix_savings_usd"])) for r in rows}
     assert got == want and want[("globex", BIG)][2] > 0 and want[("globex", BIG)][4] > 0
     page = client.get("/admin/cache", params={"tenant": "globex"}).text
     saved = want[("globex", BIG)][2] + want[("globex", BIG)][4]
     assert re.search(r'id="saved-total">([^<]+)<', page).group(1) == usd(saved)
+
+
+def test_overview_shows_the_semantic_cache_and_the_prefix_cache_apart(client):
+    month = [e for e in SEEDED if this_month(e)]
+    per_model = [_savings(events) for events in _by(month, lambda e: (e.tenant, e.model)).values()]
+    requests, hits, semantic, prefix_tokens, prefix = (sum((s[i] for s in per_model), start) for i, start in
+                                                       enumerate((0, 0, Decimal(0), 0, Decimal(0))))
+    assert hits > 0 and semantic > 0 and prefix_tokens > 0 and prefix > 0
+    page = client.get("/admin").text
+    shown = {name: re.search(rf'id="{name}">([^<]+)<', page).group(1)
+             for name in ("semantic-hit-rate", "semantic-hits", "semantic-saved", "prefix-tokens", "prefix-saved")}
+    assert shown == {"semantic-hit-rate": f"{hits / requests * 100:.1f}%", "semantic-hits": f"{hits:,}",
+                     "semantic-saved": usd(semantic), "prefix-tokens": f"{prefix_tokens:,}",
+                     "prefix-saved": usd(prefix)}
+    # each saving sits on its own card: the semantic cache's hits never next to the prefix cache's dollars
+    semantic_card = page.split('id="semantic-cache"')[1].split('id="prefix-cache"')[0]
+    assert usd(prefix) not in semantic_card and usd(semantic + prefix) not in page.split('id="spend-chart"')[0]
 
 
 def _by(events: list[Seed], key: Callable[[Seed], Any]) -> dict[Any, list[Seed]]:
@@ -353,6 +409,70 @@ def test_invoice_lines_link_to_the_events_behind_them(dashboard, client):
     assert [(r["model"], r["kind"]) for r in csv_lines][:-1] == [(x["model"], x["kind"]) for x in invoice["lines"]]
 
 
+def _invoice_exact(tenant: str) -> dict[tuple[str, str], tuple[Decimal, Decimal]]:
+    """(model, kind) → (unit price, exact amount) of the tenant's invoice this month, from the seed's events, prices
+    and replica intervals."""
+    month = [e for e in SEEDED if e.tenant == tenant and this_month(e)]
+    out = {}
+    for model, events in _by(month, lambda e: e.model).items():
+        p = {k: Decimal(str(v)) for k, v in PRICES[model].items()}
+        run = [e for e in events if not e.cache_hit]
+        for kind, tokens, price in (("input", sum(e.prompt - e.cached for e in run), p["input_per_1m"]),
+                                    ("cached_input", sum(e.cached for e in run), p.get("cached_input_per_1m")),
+                                    ("output", sum(e.completion for e in run), p["output_per_1m"]),
+                                    ("cache_hit", sum(e.prompt + e.completion for e in events if e.cache_hit), 0)):
+            if tokens:
+                out[(model, kind)] = (Decimal(price), dollars(tokens * price / 1_000_000))
+    seconds = sum(Decimal(s.busy_s) + Decimal(s.idle_s) for model, _, _, _, _, shares in INTERVALS if model == BIG
+                  for s in shares if s.tenant == tenant)
+    if seconds:
+        hourly = Decimal(str(BIG_PRICING["gpu_hour"]))
+        out[(BIG, "gpu_time")] = (hourly, dollars(seconds * hourly / 3600))
+    return out
+
+
+@pytest.mark.parametrize("tenant", ["globex", DROP])
+def test_invoice_lines_show_their_exact_amounts_beside_the_cents(dashboard, client, tenant):
+    want = _invoice_exact(tenant)
+    invoice = client.get("/admin/invoices", params={"tenant": tenant, "format": "json"}).json()
+    got = {}
+    for line in invoice["lines"]:
+        per_hour = line["kind"] == "gpu_time"  # a GPU line's price is per hour, and its key says so
+        assert (line["unit"], "unit_price_per_hour" in line, "unit_price_per_1m" in line) == (
+            ("GPU-hour", True, False) if per_hour else ("1M tokens", False, True)), line
+        got[(line["model"], line["kind"])] = (Decimal(line["unit_price_per_hour" if per_hour else "unit_price_per_1m"]),
+                                              Decimal(line["amount_exact"]))
+        assert line["amount_exact"] == amount_text(Decimal(line["amount_exact"]))  # money's text: "0.0004", not 4E-4
+    assert got == want
+    assert Decimal(invoice["total_exact"]) == sum(a for _, a in want.values())
+    assert abs(Decimal(invoice["total_exact"]) - Decimal(invoice["total"])) <= Decimal("0.005")
+    if tenant == DROP:  # lines that round to no cents at all still say what they were
+        assert invoice["total"] == "0.00" and Decimal(invoice["total_exact"]) > 0
+        assert {line["amount"] for line in invoice["lines"]} == {"0.00"}
+    else:
+        assert want[(BIG, "gpu_time")] == (Decimal(3), Decimal("0.208125"))
+
+    as_csv = list(csv.DictReader(io.StringIO(client.get("/admin/invoices", params={
+        "tenant": tenant, "format": "csv"}).text)))
+    assert {(r["model"], r["kind"]): Decimal(r["amount_exact_usd"]) for r in as_csv[:-1]} == {
+        k: a for k, (_, a) in want.items()}
+    assert as_csv[-1]["amount_exact_usd"] == invoice["total_exact"]
+
+    page = client.get("/admin/invoices", params={"tenant": tenant}).text
+    shown = {(html.unescape(m), k): html.unescape(x) for k, m, x in re.findall(
+        r'data-kind="([^"]+)" data-model="([^"]+)">.*?<td class="num exact">([^<]+)</td>', page, re.DOTALL)}
+    assert shown == {k: usd(a) for k, (_, a) in want.items()}
+    assert re.search(r'id="invoice-exact">([^<]+)<', page).group(1) == usd(sum(a for _, a in want.values()))
+
+    # the invoice a tenant is sent (`platform invoice --format html`): units in the headers and on each price
+    sent = render(build_invoice(dashboard.db, tenant, today().strftime("%Y-%m")), "html")
+    assert "<th class=n>Unit price (USD)</th>" in sent and "<th class=n>Exact amount (USD)</th>" in sent
+    assert "<th class=n>USD</th>" not in sent
+    for (model, kind), (price, amount) in want.items():
+        unit = "GPU-hour" if kind == "gpu_time" else "1M tokens"
+        assert f"<td class=n>{amount_text(price)} per {unit}</td><td class=n>{amount_text(amount)}</td>" in sent, kind
+
+
 def test_hostile_values_are_data_and_bad_parameters_are_refused(dashboard, client):
     for name in (DROP, EVIL_TENANT):
         rows = exported(client, "/admin/usage", "json", by="tenant", tenant=name)
@@ -414,3 +534,80 @@ def test_tenants_table_exports(client):
                                                   sum(e.tenant == name and this_month(e) for e in SEEDED))
     r = client.get("/admin/tenants", params={"tenant": "acme", "format": "json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+
+
+def test_keys_and_models_export_like_every_view(dashboard, client):
+    keys = {r["name"]: r for r in both(client, "/admin/keys")}
+    for name, (tenant, project, budget) in KEYS.items():
+        r = keys[name]
+        assert (r["key_id"], r["tenant"], r["project"], r["status"], r["budget_usd"], r["alert_at"]) == (
+            dashboard.keys[name], tenant, project, "active", None if budget is None else amount_text(budget),
+            ALERT_AT.get(("key", tenant, name))), name
+        assert r["key_prefix"].startswith("tg-") and len(r["key_prefix"]) < 16
+    text = client.get("/admin/keys", params={"format": "csv"}).text
+    assert dashboard.tenant_key not in text and dashboard.tenant_key[:20] not in text  # prefixes, never secrets
+    assert "'" + EVIL_TENANT not in text and EVIL_TENANT in text
+
+    models = {r["model"]: r for r in both(client, "/admin/models")}
+    assert {m: (r["input_per_1m_usd"], r["cached_input_per_1m_usd"], r["output_per_1m_usd"], r["gpu_hour_usd"])
+            for m, r in models.items()} == {MODEL: ("0.05", "0.05", "0.10", "0.00"),  # cached input at the input price
+                                            BIG: ("2.00", "0.50", "6.00", "3.00")}
+    page = client.get("/admin/models").text
+    assert re.findall(r'<td class="num cached-price">(.*?)</td>', page) == [
+        "$0.50", '$0.05 <span class="hint">(as input)</span>']
+    for path, params, field in [("/admin/keys", {"done": "revoked", "format": "csv"}, "done"),
+                                ("/admin/models", {"colour": "red", "format": "json"}, "colour")]:
+        r = client.get(path, params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, params)
+    r = client.get("/admin/models", params={"format": "xml"})
+    assert r.status_code == 400 and "format: expected one of html, csv, json" in r.text
+    assert client.get("/admin/keys", params={"done": "nonsense"}).status_code == 400
+    assert "Key revoked." in client.get("/admin/keys", params={"done": "revoked"}).text
+
+
+def test_soft_budget_alerts_are_shown_where_budgets_are(dashboard, client):
+    rows = both(client, "/admin/budgets")
+    got = {(r["scope"], r["tenant"], r["key_name"] if r["scope"] == "key" else r["name"]): r for r in rows}
+    for key, row in got.items():
+        share = ALERT_AT.get(key)
+        assert row["alert_at"] == share, key
+        assert row["alert_usd"] == (None if share is None else amount_text(
+            Decimal(row["budget_usd"]) * Decimal(repr(share)))), key
+    assert got[("key", "acme", "ci")]["alert_usd"] == "2.50" and got[("tag", DROP, "a%")]["alert_usd"] == "0.00025"
+    page = client.get("/admin/budgets").text
+    line = page.split(f'id="budget-key-{dashboard.keys["ci"]}"')[1].split("</tr>")[0]
+    assert '<div class="hint alert-at"><span>alert at 50.0%</span> <span>($2.50)</span></div>' in line
+    assert line.count('class="alert-tick"') == 1 and 'x1="70.0"' in line  # the tick at half the 140 px meter
+    assert page.count('class="alert-tick"') == len(ALERT_AT) + 1  # and one in the legend
+
+    tenants = {r["tenant"]: r["alert_at"] for r in both(client, "/admin/tenants")}
+    assert tenants == {t: ALERT_AT.get(("tenant", t, None)) for t in TENANTS}
+    assert "(alert at 80.0%: $80.00)" in client.get("/admin/tenants").text
+    key_line = client.get("/admin/keys").text.split(f'id="key-{dashboard.keys["ci"]}"')[1].split("</tr>")[0]
+    assert '<td class="alert-at">50.0% <span class="hint">($2.50)</span></td>' in key_line
+
+
+def test_gpu_table_totals_every_column(client):
+    rows = exported(client, "/admin/gpu", "json")
+    page = client.get("/admin/gpu").text
+    foot = page.split('<tr class="gpu-all">')[1].split("</tr>")[0]
+    cells = {c: re.search(rf'<td class="num {c}">([^<]+)</td>', foot).group(1)
+             for c in ("busy", "idle", "total", "cost")}
+    busy, idle = sum(Decimal(r["busy_s"]) for r in rows), sum(Decimal(r["idle_s"]) for r in rows)
+    assert (busy, idle) == (Decimal("192.500001"), Decimal("467.499999"))  # the seeded shares, summed
+    assert sum(Decimal(r["gpu_cost_usd"]) for r in rows) == Decimal("0.25")  # big-model's 300 s at $3 an hour
+    assert cells == {"busy": "192.5 s", "idle": "467.5 s", "total": "660 s", "cost": "$0.25"}  # the ms above 1 s
+    assert "100.0%" in foot
+
+
+def test_the_dashboards_until_and_the_clis_are_both_documented(client, capsys):
+    form = client.get("/admin/requests").text
+    assert "To (UTC day, included)" in form and "From (UTC day, included)" in form
+    dates = re.search(r'<p class="hint dates" id="f-dates">(.*?)</p>', form, re.DOTALL).group(1)
+    assert "Both days are included" in dates and "first day <em>not</em> counted" in dates
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "both included" in readme and "`--until` is the\nfirst day not counted" in readme
+    for command in ("usage", "report"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        assert "first UTC day NOT counted" in " ".join(capsys.readouterr().out.split()), command
