@@ -19,6 +19,7 @@ ids sent to /v1/completions, which it never answers)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.serve_profile import GatewayProfile  # noqa: E402
 from bench.serve_report import RequestResult, latency_chart, summarize  # noqa: E402
 from bench.serve_targets import AsyncTarget, GatewayTarget, run_offline  # noqa: E402
 from bench.serve_workload import (  # noqa: E402
@@ -77,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval of the served engine")
     p.add_argument("--json", type=Path)
     p.add_argument("--chart", type=Path)
+    p.add_argument("--profile", type=Path, help="a directory: py-spy samples the gateway and its engine core during "
+                   "the first timed rate (gateway_stacks.txt, and its summary gateway_stacks.json)")
     args = p.parse_args(argv)
     targets = args.targets.split(",")
     if not targets or any(t not in TARGETS for t in targets):
@@ -181,8 +185,10 @@ def run_target(target: str, args: argparse.Namespace, fields: dict[str, Any], re
             if target == "async":
                 results, seconds = runner.run(batch, offsets, args.max_concurrency, name, salt, vocab_size)
             else:
-                results, seconds = runner.run(batch, offsets, args.max_concurrency, name, salt, vocab_size,
-                                              args.client_procs)
+                profiled = args.profile is not None and label == rates[0][0]
+                with GatewayProfile(runner.proc.pid, args.profile) if profiled else contextlib.nullcontext():
+                    results, seconds = runner.run(batch, offsets, args.max_concurrency, name, salt, vocab_size,
+                                                  args.client_procs)
             every += results
             if label != "warmup":
                 runs.append({"target": target, "rate": label, **summarize(results, seconds, args.slo_ttft_ms,

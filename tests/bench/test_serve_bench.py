@@ -49,3 +49,19 @@ def test_figures_follow_vllm_bench_serve() -> None:
     assert s["completed"] == 2 and s["failed"] == 1 and s["output_tok_s"] == 8.0
     assert s["tpot_ms"]["mean"] == pytest.approx(100.0) and s["goodput_req_s"] == 0.5
     assert percentile([1, 2, 3, 4], 50) in (2, 3) and percentile([], 99) is None
+
+
+def test_profile_summary_splits_the_gateway_from_its_engine_core(tmp_path):
+    """py-spy's raw stacks (root frames name each process) come out per process, with inclusive and self counts."""
+    from bench.serve_profile import summarize_stacks
+
+    gateway = 'process 10:"python -m gateway.cli serve --local"'
+    core = 'process 11:"python -m engine.core_process 5"'
+    raw = tmp_path / "stacks.txt"
+    raw.write_text(f"{gateway};run (uvicorn);reserve (billing) 3\n"
+                   f"{gateway};run (uvicorn);send (sse) 2\n"
+                   f"{gateway};{core};step (engine) 7\n")
+    summary = summarize_stacks(raw)
+    assert summary["gateway.cli"]["samples"] == 5 and summary["engine.core_process"]["samples"] == 7
+    assert dict(summary["gateway.cli"]["inclusive"])["run (uvicorn)"] == 5
+    assert dict(summary["gateway.cli"]["self"]) == {"reserve (billing)": 3, "send (sse)": 2}
