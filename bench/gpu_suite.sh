@@ -60,6 +60,9 @@ step int4_batched_8b 90 "$PY" -m bench.int4_batched_decode --model random:llama-
   --json "$RESULTS/int4_batched_8b.json"
 step spec_decode_8b 90 "$PY" -m bench.spec_decode --mode oracle --model random:llama-8b --device cuda -k 4 \
   --output-len 128 --max-model-len 4096 --max-num-seqs 8 --json "$RESULTS/spec_decode_8b.json"
+# multi-LoRA (issue 37): 16 rank-16 adapters on all seven projections vs the base model
+step lora_8b 150 "$PY" -m bench.lora --model random:llama-8b --device cuda --rank 16 --batch 64 --num-adapters 16 \
+  --repeats 2 --json "$RESULTS/lora_8b.json"
 # structured outputs need llguidance's wheel and a tokenizer (python -m bench.structured --export-tokenizer), carried
 if [[ -d .bench-tokenizer ]] && "$PY" -c "import llguidance" 2>/dev/null; then
   step structured_1b 90 "$PY" -m bench.structured --model random:llama-1b --tokenizer .bench-tokenizer --device cuda \

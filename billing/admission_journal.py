@@ -150,11 +150,11 @@ def events_of(segments: list[Path]) -> list[dict[str, Any]]:
 
 
 def interrupted_event(request_id: str, *, created_at: datetime, tenant_id: int | None, api_key_id: int | None,
-                      model: str, endpoint: str, end_user: str | None = None, tags: list[str] | None = None
-                      ) -> dict[str, Any]:
+                      model: str, endpoint: str, end_user: str | None = None, tags: list[str] | None = None,
+                      adapter: str | None = None) -> dict[str, Any]:
     """The usage event of a request whose gateway stopped before it finished: no tokens, no cost (what is known).
     A real event that arrives later replaces it (billing/ledger.py)."""
     return {"request_id": request_id, "created_at": created_at, "tenant_id": tenant_id, "api_key_id": api_key_id,
-            "end_user": end_user, "tags": tags or [], "model": model, "endpoint": endpoint, "route": None,
-            "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+            "end_user": end_user, "tags": tags or [], "model": model, "adapter": adapter, "endpoint": endpoint,
+            "route": None, "status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
             "cache_hit": False, "latency_s": 0.0, "ttft_s": None, "cost_usd": 0, "error": INTERRUPTED}

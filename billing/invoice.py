@@ -95,7 +95,7 @@ def build_invoice(db: Db, tenant: str, month: str, cache_price_per_1m: Decimal =
         tenant_id, tenant_uid = _tenant(engine, tenant)
         usage = _usage(engine, tenant_id, start, end)
         gpu = _gpu_seconds(engine, tenant_uid, start, end)
-        prices = _prices(engine, sorted({row[0] for row in usage} | set(gpu)))
+        prices = _prices(engine, sorted({row[0].partition(":")[0] for row in usage} | set(gpu)))
     exact: list[tuple[InvoiceLine, Decimal, Decimal]] = []  # (line, exact amount, exact savings)
     requests = 0
     for model, hit, n, prompt, completion, cached in sorted(usage, key=lambda r: (r[0], bool(r[1]))):
@@ -145,15 +145,17 @@ def _tenant(engine: Engine, name: str) -> tuple[int, str]:
 
 
 def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[tuple[str, bool, int, int, int, int]]:
-    """(model, cache hit, requests, prompt, completion, cached prompt tokens) per model and cache hit."""
+    """(model, cache hit, requests, prompt, completion, cached prompt tokens) per model and cache hit; a LoRA
+    adapter's requests are a model of their own, `model:adapter`."""
     ev = UsageEvent
-    q = (select(ev.model, ev.cache_hit, func.count(), func.coalesce(func.sum(ev.prompt_tokens), 0),
+    q = (select(ev.model, ev.adapter, ev.cache_hit, func.count(), func.coalesce(func.sum(ev.prompt_tokens), 0),
                 func.coalesce(func.sum(ev.completion_tokens), 0), func.coalesce(func.sum(ev.cached_tokens), 0))
          .where(ev.tenant_id == tenant_id)
-         .group_by(ev.model, ev.cache_hit))
+         .group_by(ev.model, ev.adapter, ev.cache_hit))
     q = within(q, ev.created_at, start, end)
     with engine.connect() as conn:
-        return [(m, bool(h), int(n), int(p), int(c), min(int(k), int(p))) for m, h, n, p, c, k in conn.execute(q)]
+        return [(m if a is None else f"{m}:{a}", bool(h), int(n), int(p), int(c), min(int(k), int(p)))
+                for m, a, h, n, p, c, k in conn.execute(q)]
 
 
 def _gpu_seconds(engine: Engine, tenant_uid: str, start: date, end: date) -> dict[str, Decimal]:
@@ -182,6 +184,21 @@ def _prices(engine: Engine, models: list[str]) -> dict[str, _Price]:
     if not models:
         return {}
     d = ModelDeployment
-    q = select(d.name, d.input_per_1m, d.cached_input_per_1m, d.output_per_1m, d.gpu_hour).where(d.name.in_(models))
+    q = select(d.name, d.input_per_1m, d.cached_input_per_1m, d.output_per_1m, d.gpu_hour, d.spec
+               ).where(d.name.in_(models))
+    out: dict[str, _Price] = {}
     with engine.connect() as conn:
-        return {name: _Price(i, i if c is None else c, o, g) for name, i, c, o, g in conn.execute(q)}
+        for name, i, c, o, g, spec in conn.execute(q):
+            out[name] = base = _Price(i, i if c is None else c, o, g)
+            for adapter in (spec or {}).get("adapters") or []:  # an adapter's own prices, else its model's
+                out[f"{name}:{adapter['name']}"] = _adapter_price(adapter.get("pricing"), base)
+    return out
+
+
+def _adapter_price(pricing: dict | None, base: _Price) -> _Price:
+    if not pricing:
+        return base
+    i = dollars(pricing.get("input_per_1m", 0))
+    c = pricing.get("cached_input_per_1m")
+    return _Price(i, i if c is None else dollars(c), dollars(pricing.get("output_per_1m", 0)),
+                  dollars(pricing.get("gpu_hour", 0)))

@@ -91,7 +91,7 @@ class Ledger:
         return self
 
     def begin(self, request_id: str, *, tenant_id: int | None, api_key_id: int | None, model: str, endpoint: str,
-              end_user: str | None = None, tags: list[str] | None = None) -> None:
+              end_user: str | None = None, tags: list[str] | None = None, adapter: str | None = None) -> None:
         """A request was admitted and its model is about to run: journaled (with a spill dir), so that it
         leaves an event, `interrupted` at worst, whatever happens to this process. Raises OSError when the
         journal cannot be written: a request that could leave no record is not run."""
@@ -99,7 +99,8 @@ class Ledger:
             return
         with self._journal_lock:
             self._journal.begin(request_id, {"tenant_id": tenant_id, "api_key_id": api_key_id, "model": model,
-                                             "endpoint": endpoint, "end_user": end_user, "tags": tags or [],
+                                             "adapter": adapter, "endpoint": endpoint, "end_user": end_user,
+                                             "tags": tags or [],
                                              "created_at": utcnow()})
 
     def refused(self, request_id: str) -> None:

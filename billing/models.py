@@ -107,6 +107,7 @@ class UsageEvent(Base):
     end_user: Mapped[str | None] = mapped_column(String(200))  # the request's OpenAI `user` field
     tags: Mapped[list[str]] = mapped_column(JSON, default=list)
     model: Mapped[str] = mapped_column(String(200))
+    adapter: Mapped[str | None] = mapped_column(String(100))  # the LoRA adapter served over `model`, if any
     endpoint: Mapped[str] = mapped_column(String(50))  # chat.completions | completions
     route: Mapped[str | None] = mapped_column(String(50))
     status: Mapped[str] = mapped_column(String(20))  # ok | failed | cancelled | interrupted

@@ -91,9 +91,11 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         account: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput whenever steps added output since the last one (deltas and totals); the last
-        has finished=True. Bad input raises ValueError before anything is yielded."""
+        has finished=True. Bad input raises ValueError before anything is yielded (an unknown lora_name: at the
+        first iteration, once the core has looked it up)."""
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -122,7 +124,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
         finished = False
         try:
-            self.core.add(CoreRequest(request_id, token_ids, params, priority, arrival, cache_salt, account))
+            self.core.add(CoreRequest(request_id, token_ids, params, priority, arrival, cache_salt, account,
+                                      lora_name))
             while not finished:
                 out = await stream.get()
                 finished = out.finished
@@ -135,6 +138,17 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter at `path` as `name` without pausing the requests running meanwhile (it is read
+        off the core's stepping thread); ValueError for an adapter the engine cannot serve."""
+        await asyncio.to_thread(self.core.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> bool:
+        return await asyncio.to_thread(self.core.remove_lora, name)
+
+    def list_loras(self) -> list[str]:
+        return self.core.list_loras()
 
     def stats(self) -> dict:
         return self.core.stats()

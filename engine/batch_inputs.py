@@ -42,6 +42,8 @@ class HostInputs:
     num_previous_rows: int = 0
     # every rank picks the rows' argmax tokens from its vocabulary shard instead of returning gathered logits
     greedy_tokens: bool = False
+    # int32 [num_tokens]: each token's LoRA adapter slot (-1: the base model); None when no token uses one
+    lora_slots: np.ndarray | None = None
 
 
 def packed_sections(num_tokens: int, num_seqs: int) -> list[int]:

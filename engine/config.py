@@ -64,6 +64,13 @@ class EngineConfig:
     # Serving: a request's streamed tokens are handed over once this many have gathered (its first token and its
     # end at once), as vLLM's --stream-interval; more than 1 spares a large batch's steps host time.
     stream_interval: int = 1
+    # LoRA (engine/lora/): device slots for adapters used by one step (0: no LoRA), the largest adapter rank they
+    # hold, how many adapters stay in host memory (None: all; the others are read from disk again when needed), and
+    # adapters to serve from the start (name -> PEFT directory).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         """Every bad field at once: a ValueError with one `field: problem` line each."""
@@ -89,6 +96,18 @@ class EngineConfig:
         positive_int("max_num_batched_tokens")
         positive_int("num_kv_blocks", optional=True)
         positive_int("stream_interval")
+        check(_is_int(self.max_loras) and self.max_loras >= 0, "max_loras",
+              f"must be an integer >= 0, got {self.max_loras!r}")
+        check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= 256, "max_lora_rank",
+              f"must be an integer in [1, 256], got {self.max_lora_rank!r}")
+        positive_int("max_cpu_loras", optional=True)
+        check(self.lora_modules is None or (isinstance(self.lora_modules, dict) and all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items())),
+              "lora_modules", "must map adapter names to PEFT adapter directories")
+        check(not self.lora_modules or (_is_int(self.max_loras) and self.max_loras > 0), "lora_modules",
+              "needs max_loras > 0")
+        check(not self.max_loras or self.tensor_parallel_size == 1, "max_loras",
+              "LoRA adapters are served with tensor_parallel_size 1 only")
         check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -99,6 +99,34 @@ class ProcessCore:
             _, reply = self._stats_reply.pop(token)
         return reply or dict(self._last_stats)
 
+    def add_lora(self, name: str, path: str) -> None:
+        self._call("add_lora", (name, path))
+
+    def remove_lora(self, name: str) -> bool:
+        return self._call("remove_lora", name)
+
+    def list_loras(self) -> list[str]:
+        return self._call("list_loras", None)
+
+    def _call(self, op: str, args: Any, timeout_s: float = 600.0) -> Any:
+        """Runs an adapter operation in the child and returns its result (raising its error)."""
+        if self._dead:
+            raise EngineDeadError("the engine core process has ended")
+        token, event = next(self._stats_ids), threading.Event()
+        reply: dict[str, Any] = {}
+        with self._stats_lock:
+            self._stats_reply[token] = (event, reply)
+        try:
+            self._send(("lora", (token, op, args)))
+            if not event.wait(timeout_s):
+                raise EngineDeadError(f"the engine core did not answer {op} within {timeout_s:.0f} s")
+        finally:
+            with self._stats_lock:
+                self._stats_reply.pop(token, None)
+        if "error" in reply:
+            raise reply["error"]
+        return reply.get("result")
+
     def shutdown(self, timeout: float = 10.0) -> None:
         try:
             self._send(("stop", None))
@@ -130,6 +158,13 @@ class ProcessCore:
                         if waiting is not None:
                             waiting[1].update(snap)
                             waiting[0].set()
+                elif kind == "lora":
+                    token, outcome = payload
+                    with self._stats_lock:
+                        waiting = self._stats_reply.get(token)
+                        if waiting is not None:
+                            waiting[1].update(outcome)
+                            waiting[0].set()
                 elif kind == "stopped":
                     self._last_stats = payload
                     self._dead = True
@@ -156,6 +191,46 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class _AdapterLoads:
+    """The child's adapter operations: an adapter is read in a thread of its own while the core steps, and
+    registered between two steps; removing and listing answer at once."""
+
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self._lock = threading.Lock()
+        self._loaded: list[tuple[int, Any, BaseException | None]] = []
+        self.pending = 0
+
+    def handle(self, token: int, op: str, args: Any) -> None:
+        try:
+            if op == "add_lora":
+                self.pending += 1
+                threading.Thread(target=self._load, args=(token, *args), daemon=True).start()
+                return
+            result = self.engine.remove_lora(args) if op == "remove_lora" else self.engine.list_loras()
+            self.conn.send(("lora", (token, {"result": result})))
+        except ValueError as e:
+            self.conn.send(("lora", (token, {"error": e})))
+
+    def _load(self, token: int, name: str, path: str) -> None:
+        try:
+            adapter, error = self.engine.load_lora(name, path), None
+        except BaseException as e:  # noqa: BLE001 - sent back to the caller
+            adapter, error = None, _picklable(e)
+        with self._lock:
+            self._loaded.append((token, adapter, error))
+
+    def register_loaded(self) -> None:
+        with self._lock:
+            loaded, self._loaded = self._loaded, []
+        for token, adapter, error in loaded:
+            self.pending -= 1
+            if error is None:
+                self.engine.add_loaded_lora(adapter)
+            self.conn.send(("lora", (token, {"error": error} if error is not None else {"result": None})))
+
+
 def serve(conn: Connection) -> None:
     from engine.llm_engine import LLMEngine
 
@@ -168,11 +243,13 @@ def serve(conn: Connection) -> None:
     conn.send(("ready", (engine.model_config.vocab_size, engine.max_model_len)))
     loop = CoreLoop(engine)
     metrics = engine.metrics
+    loads = _AdapterLoads(engine, conn)
     try:
         while True:
+            loads.register_loaded()
             idle_from = time.monotonic() if not loop.has_work else None
             if idle_from is not None:
-                conn.poll(None)
+                conn.poll(0.05 if loads.pending else None)
                 metrics.idle_seconds += time.monotonic() - idle_from
             aborted: list[Delta] = []
             refusals: list[tuple[str, BaseException]] = []
@@ -188,6 +265,8 @@ def serve(conn: Connection) -> None:
                         aborted.append(out)
                 elif kind == "stats":
                     conn.send(("stats", (payload, loop.stats(None))))
+                elif kind == "lora":
+                    loads.handle(*payload)
                 elif kind == "stop":
                     conn.send(("stopped", loop.stats(None)))
                     return

@@ -29,6 +29,7 @@ class CoreRequest:
     arrival_time: float
     cache_salt: str | None
     account: str | None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class EngineCore(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Reads the adapter off the core's stepping thread, then serves it from the next step on; blocks until
+        then. A bad adapter raises ValueError and changes nothing."""
+
+    def remove_lora(self, name: str) -> bool: ...
+
+    def list_loras(self) -> list[str]: ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
@@ -85,7 +94,8 @@ class CoreLoop:
         """Queues the request; the ValueError that refused it, if any."""
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                                    request.arrival_time, cache_salt=request.cache_salt, account=request.account)
+                                    request.arrival_time, cache_salt=request.cache_salt, account=request.account,
+                                    lora_name=request.lora_name)
         except ValueError as e:
             return e
         return None
@@ -139,6 +149,20 @@ class ThreadCore:
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
+    def add_lora(self, name: str, path: str) -> None:
+        adapter = self.engine.load_lora(name, path)  # in the caller's thread: the steps go on meanwhile
+        applied = threading.Event()
+        self._post("call", (lambda: self.engine.add_loaded_lora(adapter), applied))
+        applied.wait()
+
+    def remove_lora(self, name: str) -> bool:
+        with self._lock:  # between steps
+            return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        with self._lock:
+            return self.engine.list_loras()
+
     def _post(self, kind: str, payload: Any) -> None:
         with self._lock:
             self._inbox.append((kind, payload))
@@ -165,6 +189,12 @@ class ThreadCore:
                 error = self._loop.add(payload)
                 if error is not None:
                     self._sink.refused(payload.request_id, error)
+            elif kind == "call":
+                call, done = payload
+                try:
+                    call()
+                finally:
+                    done.set()
             else:
                 out = self._loop.abort(payload)
                 if out is not None:

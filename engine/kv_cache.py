@@ -128,7 +128,7 @@ class KVCacheManager:
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else root_hash(seq.cache_salt)
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq.prefix_salt)
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -142,7 +142,7 @@ class KVCacheManager:
         parent_id: int | None = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block_id = self.pool.lookup(seq.block_hashes[i], tokens, parent_id, seq.cache_salt)
+            block_id = self.pool.lookup(seq.block_hashes[i], tokens, parent_id, seq.prefix_salt)
             if block_id is None:
                 break
             found.append(block_id)
@@ -181,7 +181,7 @@ class KVCacheManager:
                 continue
             parent_id = seq.block_ids[i - 1] if i else None
             self.pool.register(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent_id,
-                               seq.cache_salt)
+                               seq.prefix_salt)
         seq.num_registered_blocks = num_full
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

@@ -32,26 +32,37 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter directory `path` as `name` (needs max_loras > 0)."""
+        self.engine.add_lora(name, path)
+
     def generate(
         self,
         prompts: Prompt | SequenceOf[Prompt],
         params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         priorities: SequenceOf[int] | None = None,
         use_tqdm: bool = False,
+        lora_name: str | SequenceOf[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs all prompts in one continuous batch; returns their finished outputs in order.
+        """Runs all prompts in one continuous batch; returns their finished outputs in order. `lora_name`: the
+        adapter (add_lora) of every prompt, or one per prompt (None: the base model).
         A bad prompt raises ValueError before anything runs."""
         batch = self._as_prompt_list(prompts)
         param_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(batch)
         if len(param_list) != len(batch):
             raise ValueError(f"params: {len(param_list)} given for {len(batch)} prompts")
-        for prompt in batch:  # validate everything before queueing anything
+        loras = list(lora_name) if isinstance(lora_name, (list, tuple)) else [lora_name] * len(batch)
+        if len(loras) != len(batch):
+            raise ValueError(f"lora_name: {len(loras)} given for {len(batch)} prompts")
+        for prompt, name in zip(batch, loras):  # validate everything before queueing anything
             self.engine.encode_prompt(prompt)
+            self.engine.resolve_lora(name)
         ids = []
         for i, (prompt, p) in enumerate(zip(batch, param_list)):
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, prompt, p, priority=priorities[i] if priorities else 0, stream=False)
+            self.engine.add_request(request_id, prompt, p, priority=priorities[i] if priorities else 0, stream=False,
+                                    lora_name=loras[i])
             ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         progress = _Progress(len(ids)) if use_tqdm else None

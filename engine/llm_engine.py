@@ -76,7 +76,8 @@ class LLMEngine:
         self.runner = built.runner
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.lora = self.runner.lora  # None unless config.max_loras > 0
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras)
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.metrics,
                                                 config.stream_interval)
@@ -107,15 +108,18 @@ class LLMEngine:
         stream: bool = True,
         cache_salt: str | None = None,
         account: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Validates and queues a request. Bad input raises ValueError and changes nothing. `cache_salt`: the
         request reuses (and leaves) prefix-cache blocks only for requests with the same salt. `account`: whom
-        its share of each step's time is counted to (step_tokens_by_account)."""
+        its share of each step's time is counted to (step_tokens_by_account). `lora_name`: the served LoRA adapter
+        it runs with (add_lora), None for the base model."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        lora = self.resolve_lora(lora_name)
         grammar = self._compile_grammar(params)
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
@@ -129,7 +133,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device, cache_salt)
+            seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device, cache_salt, lora)
             seq.max_num_tokens = longest
             if grammar is not None:
                 seq.grammar = self.grammars.new_matcher(grammar)
@@ -139,6 +143,42 @@ class LLMEngine:
         self.output_processor.add_request(state)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def resolve_lora(self, lora_name: str | None):
+        if lora_name is None:
+            return None
+        if not isinstance(lora_name, str):
+            raise ValueError(f"lora_name: must be a string, got {lora_name!r}")
+        if self.lora is None:
+            raise ValueError(f"lora_name: unknown adapter {lora_name!r} (this engine serves no adapters: max_loras is 0)")
+        return self.lora.resolve(lora_name)
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter at `path` as `name` (replacing one of that name) from the next request on. Reads
+        it here; the serving path reads it off the engine's thread (load_lora) and registers it with add_loaded_lora."""
+        self.add_loaded_lora(self.load_lora(name, path))
+
+    def load_lora(self, name: str, path: str):
+        """The adapter read and checked, not yet served; touches no engine state."""
+        if self.lora is None:
+            raise ValueError("max_loras: this engine was started without adapter slots (max_loras is 0)")
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"lora_name: must be a non-empty name without ':', got {name!r}")
+        return self.lora.load(path, name)
+
+    def add_loaded_lora(self, adapter) -> None:
+        if self.lora is None:
+            raise ValueError("max_loras: this engine was started without adapter slots (max_loras is 0)")
+        self.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stops serving an adapter to new requests (running ones finish with it); False if it was not served."""
+        return self.lora.remove(name) if self.lora is not None else False
+
+    def list_loras(self) -> list[str]:
+        return self.lora.registry.names() if self.lora is not None else []
 
     def _compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (cached by its hash), None for others; a ValueError naming

@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.loader import load_model
+from engine.lora.manager import LoRAManager
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization import load_weights
@@ -38,6 +39,7 @@ def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     model = LlamaForCausalLM(model_config, max_model_len, device, dtype, tp)
     load_weights(model, loaded, config)  # quantizes as config.quantization / kv_cache_dtype ask
     model.eval()
+    lora = LoRAManager(config, model_config, model, device, dtype) if config.max_loras else None
     if tp.size > 1 and device.type == "cuda" and config.tp_fused_norm:
         from engine.distributed.peer_exchange import try_fused_all_reduce_norm
 
@@ -45,7 +47,7 @@ def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     tokenizer = loaded.tokenizer
     eos = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
     eos |= frozenset(model_config.eos_token_ids)
-    runner = ModelRunner(config, model_config, model, device, dtype, max_model_len, eos, tp)
+    runner = ModelRunner(config, model_config, model, device, dtype, max_model_len, eos, tp, lora)
     return BuiltModel(model_config, tokenizer, max_model_len, eos, runner)
 
 

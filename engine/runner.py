@@ -22,6 +22,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.deferred_tokens import DeferredTokens
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.distributed.step_channel import receive_step, send_step, share_previous_tokens
+from engine.lora.manager import LoRAManager
 from engine.model_config import ModelConfig
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
@@ -65,8 +66,10 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         tp: TensorParallel = SINGLE,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.config = config
+        self.lora = lora  # adapters applied beside the model's projections (engine/lora/), when max_loras > 0
         self.tp = tp
         self.model_config = model_config
         self.model = model
@@ -230,6 +233,8 @@ class ModelRunner:
     def _forward(self, batch: ScheduledBatch, previous: DeferredTokens | None, greedy_tokens: bool
                  ) -> tuple[torch.Tensor, list[Sequence]]:
         host = host_inputs(batch, self.block_size, previous.num_rows if previous is not None else 0, greedy_tokens)
+        if self.lora is not None:
+            host.lora_slots = self.lora.begin_step(batch.seqs, batch.num_new_tokens)
         out = self.run_model(host, previous.device_ids if previous is not None else None)
         return out, _caught_up(batch)
 
@@ -245,11 +250,17 @@ class ModelRunner:
         logits_indices = host.logits_indices
         graphs = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
-        if graphs is not None:
+        if graphs is not None and host.lora_slots is None:  # the graphs were captured without adapters
             hidden = graphs.run(host, previous_ids)
         else:
             inputs = device_inputs(host, self.device, previous_ids)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            if self.lora is not None:
+                self.lora.set_indices(host.lora_slots, host.num_tokens == host.num_seqs)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            finally:
+                if self.lora is not None:
+                    self.lora.set_indices(None, False)
         if not logits_indices:
             if host.greedy_tokens:
                 return torch.empty(0, dtype=torch.int64, device=self.device)

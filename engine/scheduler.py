@@ -29,8 +29,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct adapters among running sequences: the device's adapter slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -112,14 +113,21 @@ class Scheduler:
         if batch.preempted:
             return batch
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {s.lora.id for s in self.running if s.lora is not None}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.lora is not None and seq.lora.id not in adapters and len(adapters) >= self.max_loras:
+                i += 1  # waits for a slot; requests for adapters already running go ahead of it
+                continue
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate(seq, num_new, cached):
                 break
-            self.waiting.pop(0)
+            del self.waiting[i]
+            if seq.lora is not None:
+                adapters.add(seq.lora.id)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING

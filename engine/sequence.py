@@ -15,6 +15,7 @@ from engine.outputs import TokenLogprob
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.grammar import SequenceGrammar
+    from engine.lora.registry import AdapterEntry
 
 _counter = itertools.count()
 
@@ -37,9 +38,11 @@ class Sequence:
         seed: int | None,
         device: torch.device,
         cache_salt: str | None = None,
+        lora: AdapterEntry | None = None,
     ) -> None:
         self.request_id = request_id
         self.cache_salt = cache_salt  # prefix-cache blocks are shared only among sequences with the same salt
+        self.lora = lora  # the LoRA adapter it runs with; None: the base model
         self.index = index
         self.order = next(_counter)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -80,6 +83,14 @@ class Sequence:
         self.max_num_tokens: int | None = None
         # structured outputs: the matcher its next tokens are masked by; set by the engine, dropped when it finishes
         self.grammar: SequenceGrammar | None = None
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its prefix-cache blocks are keyed by besides their tokens: the cache salt and the adapter, whose
+        keys and values differ from the base model's for the same tokens."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.id}"
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from billing.deployments import record_deployments
 from billing.replica_intervals import IntervalRecorder
 from gateway import errors
 from gateway.access_log import redact_access_log
+from gateway.adapter_routes import adapter_router
 from gateway.admin_routes import admin_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth_throttle import FailedAuthThrottle
@@ -48,6 +49,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
                  ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s,
                  budget_alert_webhook=settings.budget_alert_webhook)
+    gw.models_dir = settings.models_dir  # where `platform adapters add` may read adapters from, besides the roots
     in_flight = InFlight()
 
     @asynccontextmanager
@@ -91,6 +93,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.include_router(router)
     app.include_router(embeddings_router)
     app.include_router(admin_router)
+    app.include_router(adapter_router)
     install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(InFlightMiddleware, in_flight=in_flight)

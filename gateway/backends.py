@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
 from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput, TokenLogprob
-from gateway.specs import ModelKind, ModelSpec
+from gateway.specs import ModelKind, ModelSpec, engine_fields
 
 # ready: serving; scaled_to_zero: no replica now, a request starts one; loading: starting, try again shortly;
 # unavailable: cannot serve (BackendInfo.reason says why); stopped: shut down
@@ -30,6 +30,7 @@ class GenerationRequest:
     # prefix-cache blocks are shared only among requests with the same salt (the gateway's: per tenant)
     cache_salt: str | None = None
     account: str | None = None  # the tenant (uid) whose GPU time this request's share of each step is
+    lora_name: str | None = None  # the LoRA adapter served over the model that runs it (gateway/adapters.py)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class BackendUnavailable(RuntimeError):
 class LocalEngineBackend:
     def __init__(self, spec: ModelSpec, **engine_overrides: Any) -> None:
         self.spec = spec
-        self._fields = {**spec.engine, **engine_overrides}
+        self._fields = {**engine_fields(spec), **engine_overrides}
         self._engine: Any = None
         self._state: BackendState = "stopped"
         self._reason: str | None = None
@@ -143,6 +144,15 @@ class LocalEngineBackend:
         if self._engine is not None:
             await self._engine.abort(request_id)
 
+    async def add_adapter(self, name: str, source: str) -> None:
+        """Serves a LoRA adapter from now on, without restarting the model; ValueError for one it cannot serve."""
+        if self._engine is None:
+            raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}")
+        await self._engine.add_lora(name, source)
+
+    async def remove_adapter(self, name: str) -> bool:
+        return await self._engine.remove_lora(name) if self._engine is not None else False
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._state != "ready":
             why = f": {self._reason}" if self._reason else ""
@@ -161,7 +171,8 @@ class LocalEngineBackend:
         finish_reported: set[int] = set()
         try:
             async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
-                                             cache_salt=request.cache_salt, account=request.account):
+                                             cache_salt=request.cache_salt, account=request.account,
+                                             lora_name=request.lora_name):
                 yield self._chunk(out, finish_reported)
         except EngineDeadError as e:  # the engine (its core process) is gone: a 503 naming why, not a 500
             self.mark_unavailable(f"its engine stopped ({e})")

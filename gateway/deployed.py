@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from billing.pricing import Prices
+from gateway.adapters import AdapterTable, ResolvedModel
 from gateway.backends import ModelBackend
 from gateway.router import ModelSpec as RouteSpec
 from gateway.specs import ModelSpec
@@ -18,8 +19,18 @@ DEFAULT_MAX_MODEL_LEN = 2048  # what the router assumes of a model whose context
 class DeployedModels:
     backends: dict[str, ModelBackend] = field(default_factory=dict)
     specs: dict[str, ModelSpec] = field(default_factory=dict)
+    adapters: AdapterTable = None  # type: ignore[assignment]  # from the specs unless given
 
-    def prices(self, model: str) -> Prices:
+    def __post_init__(self) -> None:
+        if self.adapters is None:
+            object.__setattr__(self, "adapters", AdapterTable.from_specs(self.specs))
+
+    def prices(self, model: str | ResolvedModel) -> Prices:
+        """A model's list prices; an adapter's own where its spec sets them, else its base model's."""
+        if isinstance(model, ResolvedModel):
+            if model.adapter is not None and model.adapter.prices is not None:
+                return model.adapter.prices
+            model = model.base
         spec = self.specs.get(model)
         return spec.pricing.prices() if spec is not None else Prices()
 

@@ -74,7 +74,8 @@ async def _is_admin(request: Request, gw: Gateway) -> bool:
 
 
 @router.get("/v1/models")
-async def list_models(_: Principal = Depends(principal), gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+    """The deployed models, and the LoRA adapters this tenant may use (`model:adapter`, `parent` its model)."""
     data = []
     for name, backend in gw.backends.items():
         info = backend.info()
@@ -83,6 +84,12 @@ async def list_models(_: Principal = Depends(principal), gw: Gateway = Depends(g
         if info.reason:
             entry["reason"] = info.reason
         data.append(entry)
+    for adapter in gw.models.adapters.visible(p.tenant):
+        base = gw.backends.get(adapter.model)
+        info = base.info() if base is not None else None
+        data.append({"id": adapter.id, "object": "model", "created": 0, "owned_by": "tollgate", "kind": "chat",
+                     "parent": adapter.model, "max_model_len": info.max_model_len if info else None,
+                     "state": info.state if info else "unavailable"})
     return {"object": "list", "data": data}
 
 
@@ -147,19 +154,21 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
     try:
         params = to_sampling_params(body)
         await check_structured_outputs(params)
-        backend = gw.backend_for(model)
+        resolved = gw.models.adapters.resolve(model, p.tenant)  # an adapter runs on its model's backend, and size
+        backend = gw.backend_for(resolved.base)
         if gw.needs_admission(p):
-            worst = gw.worst_case(model, backend, prompt_tokens_bound, params.max_tokens, params.n)
+            worst = gw.worst_case(resolved, backend, prompt_tokens_bound, params.max_tokens, params.n)
             limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
                                              endpoint=fmt.endpoint, end_user=body.user,
                                              tags=gw.tags_of(p, body.tags()))
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())
-        call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags())
+        call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags(), resolved)
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header
+        # the cache namespace holds the model id as asked, so an adapter's answers never serve its base or another
         outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(p.tenant_uid, model, cache_view)
         if outcome.decision is not None:
             headers["x-tollgate-cache"] = outcome.header
@@ -172,8 +181,9 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             if outcome.decision is not None and outcome.decision.cacheable:
                 call.cache_decision = outcome.decision
             generation = make_request(call.request_id, params)
-            generation.cache_salt = gw.cache_salt(p, model)
+            generation.cache_salt = gw.cache_salt(p, resolved.base)
             generation.account = p.tenant_uid
+            generation.lora_name = resolved.adapter.name if resolved.adapter is not None else None
             first, stream = await gw.begin(call, generation)
     except BaseException as e:
         # refused (or cancelled) after admission and before the model ran: no usage event follows, so the

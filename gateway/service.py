@@ -23,6 +23,7 @@ from billing.pricing import request_cost
 from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
 from engine.errors import PromptTooLongError
+from gateway.adapters import ResolvedModel
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
 from gateway.budget_webhook import BudgetWebhook
@@ -55,6 +56,8 @@ class Call:
     fmt: Format
     end_user: str | None
     tags: list[str]
+    # the deployed model and LoRA adapter behind `model` (which is what the client asked for: model or model:adapter)
+    resolved: ResolvedModel | None = None
     started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: int = 0
@@ -87,6 +90,10 @@ class Call:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
+def _adapter_name(resolved: ResolvedModel | None) -> str | None:
+    return resolved.adapter.name if resolved is not None and resolved.adapter is not None else None
+
+
 def _recorded(err: APIError) -> APIError:
     err.recorded = True
     return err
@@ -108,6 +115,7 @@ class Gateway:
                  budget_alert_webhook: str | None = None) -> None:
         self.db = db
         self.models = models  # replaced whole when deployments change (gateway/deployed.py)
+        self.models_dir: Path = Path.cwd()  # the spec directory (settings.models_dir): adapters may load from it
         self.reuse = reuse or AnswerReuse(None)
         # key lookups and limits read the database on the request path: with it unreachable they give up
         # after admission_db_timeout_s (then fail open, see limits.py), not after the ledger's long wait
@@ -154,7 +162,7 @@ class Gateway:
     def needs_admission(self, p: Principal) -> bool:
         return p.scoped_budgets or any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
 
-    def worst_case(self, model: str, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
+    def worst_case(self, model: str | ResolvedModel, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
                    n: int) -> Worst:
         """What a request may cost at most: its prompt (a bound counted before tokenizing) and max_tokens × n
         at the model's prices; without max_tokens, the whole context for each choice."""
@@ -179,18 +187,19 @@ class Gateway:
         return ([p.project] if p.project else []) + request_tags
 
     def new_call(self, request_id: str, p: Principal, model: str, backend: ModelBackend, fmt: Format,
-                 end_user: str | None, request_tags: list[str]) -> Call:
+                 end_user: str | None, request_tags: list[str], resolved: ResolvedModel | None = None) -> Call:
         """The admitted request, journaled before anything runs (billing/admission_journal.py): it leaves a
         usage event whatever happens to this process. A 503 when the journal cannot be written."""
         tags = self.tags_of(p, request_tags)
         try:
-            self.ledger.begin(request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, model=model,
-                              endpoint=fmt.endpoint, end_user=end_user, tags=tags)
+            self.ledger.begin(request_id, tenant_id=p.tenant_id, api_key_id=p.key_id,
+                              model=resolved.base if resolved else model, endpoint=fmt.endpoint, end_user=end_user,
+                              tags=tags, adapter=_adapter_name(resolved))
         except OSError as e:
             log.error("cannot journal request %s: %s", request_id, e)
             raise APIError(503, "The gateway cannot record requests right now (its journal is not writable); "
                            "try again shortly.", "server_error", "journal_unavailable") from e
-        return Call(request_id, p, model, backend, fmt, end_user, tags)
+        return Call(request_id, p, model, backend, fmt, end_user, tags, resolved)
 
     def refused(self, call: Call) -> None:
         """A journaled request that was refused before it ran, leaving no usage event."""
@@ -298,7 +307,7 @@ class Gateway:
     # ---- the ledger -------------------------------------------------------------------------
 
     def _list_price(self, call: Call) -> Decimal:
-        return request_cost(self.models.prices(call.model), call.prompt_tokens, call.completion_tokens,
+        return request_cost(self.models.prices(call.resolved or call.model), call.prompt_tokens, call.completion_tokens,
                             call.cached_tokens)
 
     def record(self, call: Call, status: str, error: str | None = None) -> None:
@@ -308,7 +317,8 @@ class Gateway:
         p = call.principal
         self.ledger.record(UsageEvent(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
-            tags=call.tags, model=call.model, endpoint=call.fmt.endpoint, route=call.route, status=status,
+            tags=call.tags, model=call.resolved.base if call.resolved else call.model,
+            adapter=_adapter_name(call.resolved), endpoint=call.fmt.endpoint, route=call.route, status=status,
             prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
             cached_tokens=call.cached_tokens, cache_hit=call.cache_hit, latency_s=latency, ttft_s=call.ttft_s,
             cost_usd=cost, error=error,

@@ -100,6 +100,29 @@ class EmbeddingEngine(BaseModel):
         return v
 
 
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+DEFAULT_MAX_LORAS = 4  # device slots of a model whose spec lists adapters and sets no engine.max_loras
+
+
+class AdapterSpec(BaseModel):
+    """A LoRA adapter served over the spec's model: clients ask for `model: "<model>:<name>"`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100, pattern=ADAPTER_NAME_PATTERN)
+    source: str = Field(min_length=1)  # a directory written by peft's save_pretrained
+    # tenants (by name) that may use it and see it in /v1/models; unset: every tenant
+    tenants: list[str] | None = Field(None, min_length=1)
+    pricing: Pricing | None = None  # unset: the base model's prices
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not isinstance(t, str) or not t.strip() for t in v):
+            raise ValueError("each tenant must be a non-empty tenant name")
+        return v
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -115,6 +138,17 @@ class ModelSpec(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pricing: Pricing = Field(default_factory=Pricing)
+    adapters: list[AdapterSpec] = Field(default_factory=list)
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapters(cls, v: list[AdapterSpec]) -> list[AdapterSpec]:
+        seen: set[str] = set()
+        for adapter in v:
+            if adapter.name in seen:
+                raise ValueError(f"adapter name {adapter.name!r} appears twice")
+            seen.add(adapter.name)
+        return v
 
     @field_validator("engine")
     @classmethod
@@ -182,14 +216,25 @@ def check_embedding_fields(spec: ModelSpec) -> None:
                         "its input)")
     if spec.pricing.cached_input_per_1m is not None:
         problems.append("pricing.cached_input_per_1m: an embedding model reads no cached prompt tokens")
+    if spec.adapters:
+        problems.append("adapters: LoRA adapters are served over chat models only")
     if problems:
         raise ValueError("\n".join(problems))
+
+
+def engine_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The spec's engine block with its adapters: served from the start, in max_loras device slots."""
+    fields = dict(spec.engine)
+    if spec.adapters:
+        fields.setdefault("max_loras", DEFAULT_MAX_LORAS)
+        fields["lora_modules"] = {**(fields.get("lora_modules") or {}), **{a.name: a.source for a in spec.adapters}}
+    return fields
 
 
 def engine_config(spec: ModelSpec) -> EngineConfig:
     """The spec's EngineConfig; bad values are a ValueError of `engine.<field>: ...` lines, one a problem."""
     try:
-        return EngineConfig.from_kwargs(spec.source, **spec.engine)
+        return EngineConfig.from_kwargs(spec.source, **engine_fields(spec))
     except (ValueError, TypeError) as e:
         lines = []
         for line in str(e).splitlines():
@@ -277,7 +322,9 @@ def _with_checked_paths(spec: ModelSpec, spec_dir: Path, source: str) -> ModelSp
     if isinstance(speculative, dict) and "draft_model" in speculative:
         engine["speculative_config"] = {**speculative, "draft_model": check(
             "engine.speculative_config.draft_model", speculative["draft_model"])}
-    checked = spec.model_copy(update={"source": check("source", spec.source), "engine": engine})
+    adapters = [a.model_copy(update={"source": check(f"adapters.{i}.source", a.source)})
+                for i, a in enumerate(spec.adapters)]
+    checked = spec.model_copy(update={"source": check("source", spec.source), "engine": engine, "adapters": adapters})
     if problems:
         raise SpecError(source, problems)
     return checked

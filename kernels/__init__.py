@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as _ref
+from kernels.lora_indices import LoRAIndices, check_lora_stacks
 from tollgate import envs
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "int8_linear_silu_and_mul",
     "linear",
     "linear_silu_and_mul",
+    "lora_add_",
     "norm_project_add",
     "paged_attention",
     "pick_argmax_candidate",
@@ -63,6 +65,8 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("int4_matmul", "int4_matmul"),
                 ("int8_matmul", "int8_matmul"),
                 ("prefill", "prefill_attention"),
+                ("punica_expand", "punica_expand"),
+                ("punica_shrink", "punica_shrink"),
                 ("rotary", "rotary"),
                 ("rotary_store", "rotary_store"),
                 ("token_bitmask", "token_bitmask"),
@@ -273,6 +277,24 @@ def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> types.SimpleNamespace | 
     if x.numel() == x.shape[-1] and weight.dtype in _GEMV_DTYPES and weight.stride(-1) == 1:
         return _triton_for(x)
     return None
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+              slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> None:
+    """y [T, N] += each token's LoRA term (x [T, K] @ A[slot]^T) @ B[slot]^T, in place, slice by slice of a fused
+    projection (kernels/punica_shrink.py, kernels/punica_expand.py: the stacks' layouts); tokens of slot -1 are left
+    alone. On CUDA a decode step (one token per sequence) runs the BGMV kernels, other steps the SGMV ones."""
+    check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+    if ops := _triton_for(x):
+        if indices.one_token_per_seq:
+            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices)
+            ops.punica_expand.bgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
+        else:
+            shrunk = ops.punica_shrink.sgmv_shrink(x, a_stack, indices)
+            ops.punica_expand.sgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
+        return
+    shrunk = _ref.lora_shrink(x, a_stack, indices.token_slots)
+    _ref.lora_expand_(y, shrunk, b_stack, indices.token_slots, slice_offsets_host, rank)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,

@@ -375,3 +375,27 @@ def int4_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         out = out + bias.double()
     return out.float().view(*x.shape[:-1], n)
+
+
+def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> [T, R'] float32: each token's x @ a_stack[slot]^T (a_stack [S, R', K]); zeros for slot -1."""
+    out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        out[rows] = x[rows].float() @ a_stack[slot].float().T
+    return out
+
+
+def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor,
+                 slice_offsets: list[int], rank: int) -> None:
+    """y[t, o_i:o_i+1] += shrunk[t, i*rank:(i+1)*rank] @ b_stack[slot, o_i:o_i+1]^T for each slice i, in place;
+    tokens of slot -1 are left alone. b_stack [S, N, rank]; slice_offsets [slices + 1] columns of y."""
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        for i, (start, end) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
+            delta = shrunk[rows, i * rank:(i + 1) * rank] @ b_stack[slot, start:end].float().T
+            y[rows, start:end] += delta.to(y.dtype)

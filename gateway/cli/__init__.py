@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.cli import admin, budgets, core, reports, serve
+from gateway.cli import adapters, admin, budgets, core, reports, serve
 from gateway.serving.errors import NoPlatform
 from gateway.settings import Settings
 
@@ -27,6 +27,7 @@ def parser() -> argparse.ArgumentParser:
     budgets.register(sub)
     reports.register(sub)
     admin.register(sub)
+    adapters.register(sub)
     return p
 
 

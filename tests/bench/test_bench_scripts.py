@@ -107,3 +107,15 @@ def test_idle_between_ops_counts_gaps_between_neighbours() -> None:
     assert result["top_idle"][0] == {"after": "copy", "before": "gemv", "us_per_step": 13.0, "times_per_step": 1.0}
     assert result["top_idle"][1] == {"after": "gemv", "before": "norm", "us_per_step": 2.0, "times_per_step": 1.0}
     assert idle_between_ops({"traceEvents": []}, device=0, steps=1) == {}
+
+
+def test_lora_bench_small_cpu_run(tmp_path) -> None:
+    from bench import lora
+
+    path = tmp_path / "lora.json"
+    result = lora.main(["--model", "random:llama-tiny", "--device", "cpu", "--rank", "4", "--batch", "3",
+                        "--num-adapters", "2", "--prompt-len", "5", "--output-len", "4", "--repeats", "1",
+                        "--max-model-len", "64", "--json", str(path)])
+    assert json.loads(path.read_text()) == result
+    assert result["batch1_adapter_tok_s"] > 0 and result["batch3_adapters_tok_s"] > 0
+    assert result["adapter_load_host_ms"] > 0 and result["adapter_mib"] > 0

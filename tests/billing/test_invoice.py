@@ -106,3 +106,22 @@ def test_empty_month_and_december_bounds(seeded):
     assert month_bounds("2025-12") == (datetime(2025, 12, 1).date(), datetime(2026, 1, 1).date())
     with pytest.raises(ValueError, match="^format:"):
         render(inv, "pdf")
+
+
+def test_adapter_requests_are_lines_of_their_own_at_the_adapters_prices(db):
+    with Session(db) as s:
+        acme = Tenant(name="acme")
+        spec = {"name": "small", "adapters": [{"name": "legal", "source": "/a", "pricing": {"input_per_1m": 1.0,
+                                                                                             "output_per_1m": 2.0}},
+                                              {"name": "plain", "source": "/b"}]}
+        s.add_all([acme, ModelDeployment(name="small", spec=spec, input_per_1m=0.05, output_per_1m=0.10)])
+        s.flush()
+        s.add_all(UsageEvent(request_id=f"a{i}", tenant_id=acme.id, model="small", adapter=adapter,
+                             endpoint="completions", status="ok", prompt_tokens=1_000_000, completion_tokens=1_000_000,
+                             cache_hit=False, created_at=MARCH)
+                  for i, adapter in enumerate([None, "legal", "plain"]))
+        s.commit()
+    inv = build_invoice(db, "acme", "2026-03")
+    got = {(line.model, line.kind): line.amount_cents for line in inv.lines}
+    assert got == {("small", "input"): 5, ("small", "output"): 10, ("small:legal", "input"): 100,
+                   ("small:legal", "output"): 200, ("small:plain", "input"): 5, ("small:plain", "output"): 10}

@@ -1,0 +1,104 @@
+"""The LoRA shrink / expand kernels (SGMV for prefill, BGMV for decode) against the PyTorch reference, on mixed
+batches: several adapters, base-model tokens between them, fused projections of several slices."""
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.lora_indices import lora_indices
+from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
+
+pytest.importorskip("triton")
+from kernels.punica_expand import bgmv_expand_, sgmv_expand_  # noqa: E402
+from kernels.punica_shrink import bgmv_shrink, sgmv_shrink  # noqa: E402
+
+
+def _stacks(num_slots: int, rank: int, k: int, slice_widths: list[int], dtype, device):
+    a = torch.randn(num_slots, len(slice_widths) * rank, k, device=device, dtype=dtype) / k**0.5
+    b = torch.randn(num_slots, sum(slice_widths), rank, device=device, dtype=dtype)
+    offsets = [0] + np.cumsum(slice_widths).tolist()
+    return a, b, offsets, torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def _prefill_slots(lengths_and_slots: list[tuple[int, int]]) -> np.ndarray:
+    return np.concatenate([np.full(n, s, dtype=np.int32) for n, s in lengths_and_slots])
+
+
+# sequences of several lengths: two adjacent ones of one adapter, base-model ones between, a long one
+PREFILL = [(5, 2), (3, 2), (17, -1), (1, 0), (40, 3), (2, -1), (9, 1)]
+
+
+@pytest.mark.parametrize("rank,slice_widths,k", [(8, [48, 16, 16], 40), (16, [70], 130), (4, [33, 33], 64)])
+def test_sgmv_matches_reference_on_a_mixed_prefill(device, rank, slice_widths, k) -> None:
+    torch.manual_seed(0)
+    slots = _prefill_slots(PREFILL)
+    a, b, offsets, offsets_t = _stacks(4, rank, k, slice_widths, torch.float32, device)
+    x = torch.randn(slots.size, k, device=device)
+    indices = lora_indices(slots, device, one_token_per_seq=False)
+    token_slots = indices.token_slots
+    with poisoned_outputs():
+        shrunk = sgmv_shrink(x, a, indices)
+    expected = reference.lora_shrink(x, a, token_slots)
+    lora_rows = torch.from_numpy(slots >= 0).to(device)
+    assert rel_err(shrunk[lora_rows], expected[lora_rows]) < 1e-4
+    y = torch.randn(slots.size, offsets[-1], device=device)
+    y_ref = y.clone()
+    sgmv_expand_(y, expected, b, indices, offsets_t, offsets, rank)
+    reference.lora_expand_(y_ref, expected, b, token_slots, offsets, rank)
+    assert rel_err(y, y_ref) < 1e-5
+    assert torch.equal(y[~lora_rows], y_ref[~lora_rows])  # base-model rows untouched
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_bgmv_matches_reference_on_a_mixed_decode(device, num_tokens) -> None:
+    torch.manual_seed(1)
+    rank, k, widths = 16, 300, [64, 32, 32]
+    slots = np.array([3, -1, 0, 3, 1, -1, 2][:num_tokens], dtype=np.int32)
+    a, b, offsets, offsets_t = _stacks(4, rank, k, widths, torch.float32, device)
+    x = torch.randn(num_tokens, k, device=device)
+    indices = lora_indices(slots, device, one_token_per_seq=True)
+    shrunk = bgmv_shrink(x, a, indices, split_k=3)
+    expected = reference.lora_shrink(x, a, indices.token_slots)
+    assert rel_err(shrunk, expected) < 1e-4  # zeros on base-model rows too
+    y = torch.randn(num_tokens, offsets[-1], device=device)
+    y_ref = y.clone()
+    bgmv_expand_(y, expected, b, indices, offsets_t, offsets, rank)
+    reference.lora_expand_(y_ref, expected, b, indices.token_slots, offsets, rank)
+    assert rel_err(y, y_ref) < 1e-5
+
+
+def test_lora_add_dispatch_equals_dense_per_token_math(device) -> None:
+    """kernels.lora_add_ (the op the engine calls) against each token's dense x A^T B^T."""
+    torch.manual_seed(2)
+    rank, k, widths = 8, 48, [32, 16]
+    a, b, offsets, offsets_t = _stacks(3, rank, k, widths, torch.float32, device)
+    for slots, decode in [(np.array([2, -1, 0], dtype=np.int32), True), (_prefill_slots([(4, 1), (3, -1), (5, 2)]), False)]:
+        x = torch.randn(slots.size, k, device=device)
+        y = torch.zeros(slots.size, offsets[-1], device=device)
+        kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, device, decode))
+        for t, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                assert not y[t].any()
+                continue
+            for i in range(len(widths)):
+                dense = x[t] @ a[slot, i * rank:(i + 1) * rank].T @ b[slot, offsets[i]:offsets[i + 1]].T
+                assert torch.allclose(y[t, offsets[i]:offsets[i + 1]], dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode", [True, False])
+def test_lora_kernels_gpu_bf16_llama_8b_shapes(decode) -> None:
+    torch.manual_seed(3)
+    rank, k, widths = 16, 4096, [4096, 1024, 1024]
+    a, b, offsets, offsets_t = _stacks(16, rank, k, widths, torch.bfloat16, torch.device("cuda"))
+    slots = (np.arange(64) % 17 - 1).astype(np.int32) if decode else _prefill_slots([(300, 3), (77, -1), (513, 15)])
+    x = torch.randn(slots.size, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(slots.size, offsets[-1], device="cuda", dtype=torch.bfloat16)
+    y_ref = y.float()
+    kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, torch.device("cuda"), decode))
+    shrunk = reference.lora_shrink(x.float(), a.float(), torch.from_numpy(slots).cuda())
+    reference.lora_expand_(y_ref, shrunk, b.float(), torch.from_numpy(slots).cuda(), offsets, rank)
+    assert rel_err(y, y_ref) < tolerance(torch.bfloat16)
