@@ -103,6 +103,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         # validation runs here, in the caller, so errors surface before the first yield
+        params.check_vocab(self.core.facts.vocab_size)
         limit = self.max_model_len
         if isinstance(prompt, str) and len(prompt) // self._longest_token >= limit:
             raise PromptTooLongError(len(prompt) // self._longest_token, limit, at_least=True)

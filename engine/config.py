@@ -19,6 +19,8 @@ _ENGINE_CORES = ("auto", "thread", "process")
 # prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
 # the event loop (the short ones, nearly all, skip the thread hop)
 TOKENIZE_IN_THREAD_CHARS = 20_000
+# OpenAI's range of a logit_bias value
+LOGIT_BIAS_BOUND = 100
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -170,6 +172,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # number of top alternatives; 0 returns only the chosen token's
     skip_special_tokens: bool = True
+    # added to the token's logit before penalties and sampling (OpenAI's logit_bias): -100 bans, +100 forces
+    logit_bias: dict[int, float] | None = None
     # the output must match a JSON schema, a regex, a choice or a grammar (engine/grammar.py); a dict is read as
     # StructuredOutputs' fields
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
@@ -207,6 +211,17 @@ class SamplingParams:
         _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
                  f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _require(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_number(b) and -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND
+            for t, b in self.logit_bias.items())), "logit_bias",
+            f"must map token ids (integers >= 0) to biases in [-{LOGIT_BIAS_BOUND}, {LOGIT_BIAS_BOUND}]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """A ValueError naming the field when a token id the params name is outside the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside this model's vocabulary [0, {vocab_size})")
 
 
 def _is_int(x: object) -> bool:

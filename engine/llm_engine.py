@@ -120,6 +120,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         lora = self.resolve_lora(lora_name)
+        params.check_vocab(self.model_config.vocab_size)
         grammar = self._compile_grammar(params)
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:

@@ -221,12 +221,13 @@ class ModelRunner:
     def picks_greedy_on_shards(self, seqs: list[Sequence]) -> bool:
         """Whether forward_greedy serves these sequences: tensor parallelism (with one rank the logits are not
         gathered anyway) with config.tp_greedy_on_shards and, for each, the plain argmax of its logits: greedy, no
-        penalties, no logprobs, no draft tokens, no tokens banned short of min_tokens, no grammar."""
+        penalties, no logprobs, no draft tokens, no tokens banned short of min_tokens, no grammar, no logit_bias."""
         if self.tp.size == 1 or not self.config.tp_greedy_on_shards:
             return False
         return all(
             seq.params.temperature == 0.0 and not _uses_penalties(seq.params) and seq.params.logprobs is None
             and not seq.spec_token_ids and seq.num_output_tokens >= seq.params.min_tokens and seq.grammar is None
+            and not seq.params.logit_bias
             for seq in seqs
         )
 

@@ -18,8 +18,8 @@ from engine.transfer import to_device
 if TYPE_CHECKING:
     from engine.token_mask import TokenBitmask
 
-__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties", "processed_probs", "sample_from_probs",
-           "suppress_tokens"]
+__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "add_logit_bias", "apply_penalties", "processed_probs",
+           "sample_from_probs", "suppress_tokens"]
 
 _NEG_INF = float("-inf")
 
@@ -56,6 +56,24 @@ def suppress_tokens(logits: torch.Tensor, rows_to_token_ids: dict[int, Collectio
     index = (to_device(row_index, torch.int64, device), to_device(col_index, torch.int64, device))
     # a device tensor of -inf: a Python scalar would be copied to the GPU synchronously
     logits.index_put_(index, torch.full((len(row_index),), _NEG_INF, dtype=logits.dtype, device=device))
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """New float32 logits with each row's logit_bias added (OpenAI's logit_bias); the input is left untouched."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            biases.append(float(bias))
+    out = logits.to(torch.float32, copy=True)
+    if rows:
+        device = out.device
+        out.index_put_((to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)),
+                       to_device(biases, torch.float32, device), accumulate=True)
+    return out
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -195,6 +213,8 @@ class Sampler:
         if bitmask is not None:
             ops.apply_token_bitmask_(logits, bitmask.words, bitmask.rows)
         params = [r.params for r in rows]
+        if any(p.logit_bias for p in params):
+            logits = add_logit_bias(logits, params)  # a copy: the logprobs stay those of the raw distribution
         if any(_uses_penalties(p) for p in params):
             adjusted = apply_penalties(logits, rows)
         else:

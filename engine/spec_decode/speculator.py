@@ -31,11 +31,12 @@ class Speculator:
             return 0
         params = seq.params
         # Penalties would have to count each draft as output before scoring the next, logprobs would be
-        # needed for every kept token, and min_tokens bans EOS at some draft positions but not others: such
-        # sequences decode plainly, which is exact by construction.
+        # needed for every kept token, min_tokens bans EOS at some draft positions but not others, and
+        # logit_bias would have to bias the verifying distribution: such sequences decode plainly, which is
+        # exact by construction.
         if params.logprobs is not None or params.presence_penalty or params.frequency_penalty:
             return 0
-        if params.repetition_penalty != 1.0 or seq.num_output_tokens < params.min_tokens:
+        if params.repetition_penalty != 1.0 or seq.num_output_tokens < params.min_tokens or params.logit_bias:
             return 0
         # a step appends at most k + 1 tokens: never past max_model_len or max_tokens
         room = self.max_model_len - seq.num_tokens - 1
