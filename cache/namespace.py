@@ -11,33 +11,24 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# Request fields that change what the model answers (of those the gateway's request models accept).
-# Absent fields hash as absent, so a request that sets a field to its default lands in a different
-# namespace than one that omits it: safe.
-ANSWER_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "n",
-    "logprobs",
-    "top_logprobs",
-    # structured outputs: an answer constrained to a schema (or not) never serves a request that asks otherwise
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+# Request fields that never change the answer's text: who asks, how it is delivered, labels and hints. Every other
+# field is part of the namespace, so a field added to the request models later (tools, a new sampling parameter) can
+# only split namespaces, never let an answer made under other constraints be served. Absent fields hash as absent, so
+# a request that sets a field to its default lands in a different namespace than one that omits it: safe.
+ANSWER_NEUTRAL_FIELDS = frozenset({
+    "model",  # the model group is hashed instead
+    "messages",  # the earlier turns are hashed; the last user turn is what the cache compares
+    "stream",
+    "stream_options",
+    "user",
+    "safety_identifier",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+})
 
 
 @dataclass(frozen=True)
@@ -91,13 +82,13 @@ def namespace_for_request(
 ) -> CacheDecision:
     """Pure function: the namespace of `request` and whether the cache may serve or store it."""
     messages = list(request.get("messages") or [])
-    answer_settings = {k: request[k] for k in ANSWER_FIELDS if k in request and request[k] is not None}
+    answer_settings = {k: v for k, v in request.items() if k not in ANSWER_NEUTRAL_FIELDS and v is not None}
     last = messages[-1] if messages else {}
     prompt = _content_text(last.get("content")) if isinstance(last, Mapping) else ""
-    context = messages[:-1]
-    digest = hashlib.sha256(
-        _canonical({"model_group": model_group, "context": context, "settings": answer_settings}).encode()
-    ).hexdigest()
+    scope: dict[str, Any] = {"model_group": model_group, "context": messages[:-1], "settings": answer_settings}
+    if isinstance(last, Mapping) and set(last) - {"role", "content"}:
+        scope["last_turn"] = {k: v for k, v in last.items() if k != "content"}  # e.g. the speaker's name
+    digest = hashlib.sha256(_canonical(scope).encode()).hexdigest()
     ns = Namespace(tenant=tenant, key=digest)
 
     def decide(ok: bool, reason: str = "") -> CacheDecision:
@@ -113,6 +104,8 @@ def namespace_for_request(
         return decide(False, "empty prompt")
     if int(request.get("n") or 1) != 1:
         return decide(False, "n > 1")
+    if request.get("logprobs") or request.get("top_logprobs") is not None:
+        return decide(False, "logprobs asked (a cached answer has none)")
     temperature = request.get("temperature")
     # OpenAI's default temperature is 1.0: an absent temperature is a sampled request.
     sampled = temperature is None or float(temperature) > 0.0

@@ -88,6 +88,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
                                "aren't using your HTTP library correctly.)", None, "invalid_json")
+    if first.get("type") == "extra_forbidden" and loc:
+        param = ".".join(loc)
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     msg = str(first.get("msg", "Invalid request body")).removeprefix("Value error, ")
     head, sep, rest = msg.partition(": ")
     if sep and head and " " not in head:  # our validators say "field.path: problem"

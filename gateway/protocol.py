@@ -1,10 +1,13 @@
-"""Request bodies of the OpenAI API, as strict pydantic models (a mistyped field is a 400)."""
+"""Request bodies of the OpenAI API, as strict pydantic models: a mistyped field is a 400, and so is a field this
+server does not know (OpenAI's "Unrecognized request argument"), at the top level and inside nested objects."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.unsupported_fields import CHAT_ONLY_AT, refusal
 
 MAX_N = 16
 MAX_TAGS = 32
@@ -14,7 +17,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class TextPart(_Body):
@@ -25,18 +28,45 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=200)  # passed to the chat template, which may show it
+    refusal: str | None = None  # an earlier assistant refusal, as the SDK replays a response's message
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"{i}.type: content parts of type `{kind}` are not supported: the models here "
+                                 "read text only")
+        return v
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_message(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("stream obfuscation is not supported by this server; send false or leave it out")
+        return v
 
 
 class _Closed(_Body):
@@ -77,6 +107,8 @@ class _SamplingFields(_Body):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # token id (a JSON key, so a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=200)
@@ -107,6 +139,27 @@ class _SamplingFields(_Body):
         if path is not None:
             raise ValueError(f"{path or 'body'}: contains an unpaired UTF-16 surrogate; send valid Unicode text")
         return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdecimal() or not key.isascii():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return v
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        return {int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def end_user(self) -> str | None:
+        """Whom the request is for (usage events' end user)."""
+        return self.user
 
     @field_validator("user")
     @classmethod
@@ -147,6 +200,42 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # OpenAI's safety identifier: the end user when `user` is not given (usage events keep one end user)
+    safety_identifier: str | None = Field(None, max_length=200)
+    # a routing hint at OpenAI; here every request of a tenant shares cached prefixes anyway
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    # accepted only at the value that describes what this server does (gateway/unsupported_fields.py)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+
+    @model_validator(mode="after")
+    def _only_what_this_server_does(self) -> ChatCompletionRequest:
+        refused = refusal(CHAT_ONLY_AT, self)
+        if refused is not None:
+            raise ValueError(refused)
+        if self.user is not None and self.safety_identifier not in (None, self.user):
+            raise ValueError("safety_identifier: differs from user; usage events keep one end user per request, so "
+                             "send one of them or the same value in both")
+        return self
+
+    @field_validator("safety_identifier", "prompt_cache_key")
+    @classmethod
+    def _storable_ids(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+    def end_user(self) -> str | None:
+        return self.user if self.user is not None else self.safety_identifier
 
 
 class CompletionRequest(_SamplingFields):
@@ -155,6 +244,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 # OpenAI's bound on the inputs of one embeddings request

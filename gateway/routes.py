@@ -18,7 +18,7 @@ from gateway.backends import GenerationRequest
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from gateway.router import RouteDecision
 from gateway.sampling import check_structured_outputs, to_sampling_params
 from gateway.service import Call, Gateway
@@ -96,7 +96,7 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(principal),
                            gw: Gateway = Depends(gateway)) -> Response:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_message() for m in body.messages]
     fmt = ChatFormat(body.logprobs)
     model, route = body.model, None
     if model == AUTO_MODEL:
@@ -115,7 +115,8 @@ TEMPLATE_TOKENS = 64
 
 
 def chat_prompt_bound(messages: list[dict[str, str]]) -> int:
-    return sum(len(m["content"].encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages) + TEMPLATE_TOKENS
+    return sum(len(m["content"].encode()) + len(m.get("name", "").encode()) + TEMPLATE_TOKENS_PER_MESSAGE
+               for m in messages) + TEMPLATE_TOKENS
 
 
 def completion_prompt_bound(prompt: str | list[int]) -> int:
@@ -159,12 +160,12 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         if gw.needs_admission(p):
             worst = gw.worst_case(resolved, backend, prompt_tokens_bound, params.max_tokens, params.n)
             limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
-                                             endpoint=fmt.endpoint, end_user=body.user,
+                                             endpoint=fmt.endpoint, end_user=body.end_user(),
                                              tags=gw.tags_of(p, body.tags()))
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())
-        call = gw.new_call(request_id, p, model, backend, fmt, body.user, body.tags(), resolved)
+        call = gw.new_call(request_id, p, model, backend, fmt, body.end_user(), body.tags(), resolved)
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header
@@ -199,7 +200,9 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         raise
     headers["X-Request-Id"] = call.request_id
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(gw.streamed(call, first, stream, body.n, include_usage), headers=headers)
-    result = await gw.whole(call, first, stream, body.n)
+        options = body.stream_options or StreamOptions()
+        return EventStreamResponse(gw.streamed(call, first, stream, body.n, options.include_usage,
+                                               continuous_usage=options.continuous_usage_stats), headers=headers)
+    # best_of: params.n candidates ran, the best body.n are returned
+    result = await gw.whole(call, first, stream, params.n, keep_best=body.n if params.n > body.n else None)
     return JSONResponse(result, headers=headers)

@@ -20,7 +20,8 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP:
         raise invalid_request(f"stop: at most {MAX_STOP} sequences", "stop")
-    fields: dict[str, Any] = {"n": body.n, "stop": stop, "seed": body.seed, "ignore_eos": body.ignore_eos}
+    fields: dict[str, Any] = {"n": body.n, "stop": stop, "seed": body.seed, "ignore_eos": body.ignore_eos,
+                              "logit_bias": body.token_logit_bias()}
     if isinstance(body, ChatCompletionRequest):
         fields["max_tokens"] = body.max_completion_tokens or body.max_tokens
         if body.logprobs:
@@ -30,6 +31,14 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
     else:
         fields["max_tokens"] = body.max_tokens
         fields["logprobs"] = body.logprobs
+        if body.best_of is not None and body.best_of > body.n:
+            # best_of candidates, scored by their tokens' logprobs; the best n are returned (gateway/service.py)
+            if body.stream:
+                raise invalid_request("best_of: cannot be streamed; leave out stream or best_of", "best_of")
+            fields["n"] = body.best_of
+            fields["logprobs"] = body.logprobs or 0
+        elif body.best_of is not None and body.best_of < body.n:
+            raise invalid_request(f"best_of: must be at least n ({body.n})", "best_of")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "repetition_penalty"):
         value = getattr(body, name)

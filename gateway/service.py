@@ -94,6 +94,14 @@ def _adapter_name(resolved: ResolvedModel | None) -> str | None:
     return resolved.adapter.name if resolved is not None and resolved.adapter is not None else None
 
 
+def _with_usage(events: list[dict[str, Any]], chunk: GenerationChunk | None,
+                completion_tokens: int) -> list[dict[str, Any]]:
+    if chunk is not None:
+        for event in events:
+            event["usage"] = usage(chunk.prompt_tokens, completion_tokens, chunk.cached_tokens)
+    return events
+
+
 def _recorded(err: APIError) -> APIError:
     err.recorded = True
     return err
@@ -229,7 +237,9 @@ class Gateway:
         return first, stream
 
     async def whole(self, call: Call, first: GenerationChunk, stream: AsyncIterator[GenerationChunk],
-                    n: int) -> dict[str, Any]:
+                    n: int, keep_best: int | None = None) -> dict[str, Any]:
+        """The whole response of n choices; `keep_best`: only that many, those whose tokens have the highest summed
+        logprob (best_of), renumbered from 0."""
         choices = [ChoiceText() for _ in range(n)]
         status, error = "cancelled", None
         try:
@@ -252,19 +262,27 @@ class Gateway:
             raise server_error() from e
         finally:
             await self._finish(call, stream, status, error)
+        if keep_best is not None:
+            choices = sorted(choices, key=lambda c: -sum(t.logprob for t in c.logprobs))[:keep_best]
         return call.fmt.response(call.request_id, call.created, call.model, choices, call.usage())
 
     async def streamed(self, call: Call, first: GenerationChunk, stream: AsyncIterator[GenerationChunk], n: int,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """SSE events; `continuous_usage` (vLLM's continuous_usage_stats): every chunk carries the usage so far."""
         fmt, rid, created, model = call.fmt, call.request_id, call.created, call.model
         status, error = "cancelled", None
         try:
-            opening = b"".join(sse(obj) for obj in fmt.opening(rid, created, model, n))
+            opening = b"".join(sse(obj) for obj in _with_usage(fmt.opening(rid, created, model, n),
+                                                               first if continuous_usage else None, 0))
             chunk = first
             itl = self.metrics.itl.labels(model)
             last_sent: float | None = None
             while True:
-                events = b"".join(fmt.delta_event(rid, created, model, c) for c in chunk.choices)
+                if continuous_usage:
+                    events = b"".join(sse(obj) for obj in _with_usage(
+                        [fmt.delta(rid, created, model, c) for c in chunk.choices], chunk, chunk.completion_tokens))
+                else:
+                    events = b"".join(fmt.delta_event(rid, created, model, c) for c in chunk.choices)
                 if opening:  # the role chunk goes out with the first tokens: one write, not two
                     events, opening = opening + events, b""
                 if events:

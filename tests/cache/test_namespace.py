@@ -71,3 +71,35 @@ def test_not_cacheable_cases():
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert not namespace_for_request("t1", "s", req(messages=image)).cacheable
     assert not namespace_for_request("t1", "s", req(), TenantCacheSettings(enabled=False)).cacheable
+
+
+def test_every_answer_changing_field_separates_namespaces():
+    """Every field not known to leave the answer alone splits the namespace, even one the cache has never heard of
+    (a field added to the request models later can only split namespaces)."""
+    base = namespace_for_request("t1", "small", req()).namespace
+    variants = [req(logit_bias={"12": 5.0}), req(logit_bias={"12": -5.0}), req(seed=1), req(stop=["\n"]),
+                req(stop=["."]), req(presence_penalty=1.0), req(frequency_penalty=1.0), req(top_p=0.5),
+                req(max_completion_tokens=9), req(response_format={"type": "json_object"}),
+                req(tools=[{"type": "function", "function": {"name": "f"}}]), req(tool_choice="required"),
+                req(some_future_field=True)]
+    keys = {namespace_for_request("t1", "small", v).namespace for v in variants}
+    assert len(keys) == len(variants) and base not in keys
+
+
+def test_fields_that_leave_the_answer_alone_share_the_namespace():
+    base = namespace_for_request("t1", "small", req()).namespace
+    same = req(stream=True, stream_options={"include_usage": True}, user="u", safety_identifier="s",
+               metadata={"tags": "a"}, store=False, service_tier="auto", prompt_cache_key="k")
+    assert namespace_for_request("t1", "small", same).namespace == base
+
+
+def test_the_last_speakers_name_is_part_of_the_namespace():
+    named = req(messages=[{"role": "system", "content": "You are terse."},
+                          {"role": "user", "content": "What is the capital of France?", "name": "bob"}])
+    assert namespace_for_request("t1", "small", named).namespace != namespace_for_request("t1", "small", req()).namespace
+
+
+def test_logprobs_requests_are_not_cached():
+    assert not namespace_for_request("t1", "s", req(logprobs=True)).cacheable
+    assert not namespace_for_request("t1", "s", req(logprobs=False, top_logprobs=0)).cacheable
+    assert namespace_for_request("t1", "s", req(logprobs=False)).cacheable
