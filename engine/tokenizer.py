@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -70,6 +71,7 @@ class Tokenizer:
         _check_messages(messages)
         if not getattr(self._hf, "chat_template", None):
             raise ValueError("chat_template: this tokenizer has no chat template")
+        messages = with_speaker_names(messages, self._hf.chat_template)
         try:
             return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja2 errors, including the template's own raise_exception(...)
@@ -124,6 +126,18 @@ def _save_converted(hf: Any, target: str) -> None:
         os.replace(staging, target)  # atomic: a reader sees the whole folder or none
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+# a template that reads a message's `name` (message.name, message['name'], also as msg / m)
+_READS_NAME = re.compile(r"\b(?:message|msg|m)\s*(?:\.\s*name\b|\[\s*['\"]name['\"]\s*\])")
+
+
+def with_speaker_names(messages: list[dict], template: str) -> list[dict]:
+    """OpenAI's `name` of a message (who speaks, among several of one role): left to a template that reads it, else
+    written before the content as "name: content", so that it is never silently dropped."""
+    if not any(m.get("name") for m in messages) or _READS_NAME.search(template):
+        return messages
+    return [{**m, "content": f"{m['name']}: {m['content']}"} if m.get("name") else m for m in messages]
 
 
 def _check_messages(messages: Any) -> None:

@@ -90,7 +90,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                                "aren't using your HTTP library correctly.)", None, "invalid_json")
     if first.get("type") == "extra_forbidden" and loc:
         param = ".".join(loc)
-        return invalid_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+        return invalid_request(f"{param}: unrecognized request argument; this server does not support it", param,
+                               "unknown_parameter")
     msg = str(first.get("msg", "Invalid request body")).removeprefix("Value error, ")
     head, sep, rest = msg.partition(": ")
     if sep and head and " " not in head:  # our validators say "field.path: problem"

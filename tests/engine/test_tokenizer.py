@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 
@@ -32,6 +33,21 @@ def test_smollm2_chat_template_matches_transformers():
     assert rendered == tok.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == SMOLLM2_CHAT_HI
     assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_a_speaker_name_is_written_before_the_content_when_the_template_has_no_place_for_it():
+    tok = smollm2_tokenizer()
+    named = tok.apply_chat_template([{"role": "user", "content": "Hi", "name": "bob"}])
+    assert named == SMOLLM2_CHAT_HI.replace("user\nHi", "user\nbob: Hi")
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi", "name": ""}]) == SMOLLM2_CHAT_HI
+
+
+@pytest.mark.parametrize("reads_name", ["{{ message.name }}", "{{ message['name'] }}", '{{ msg["name"] }}'])
+def test_a_template_that_reads_the_name_gets_it_unchanged(reads_name):
+    loop = "msg" if "msg" in reads_name else "message"
+    hf = copy.deepcopy(smollm2_tokenizer().hf)
+    hf.chat_template = f"{{% for {loop} in messages %}}{reads_name}|{{{{ {loop}['content'] }}}};{{% endfor %}}"
+    assert Tokenizer(hf).apply_chat_template([{"role": "user", "content": "Hi", "name": "bob"}]) == "bob|Hi;"
 
 
 @pytest.mark.parametrize("messages", [[], "Hi", ["Hi"], [{"role": "user"}], [{"role": 1, "content": "x"}],
