@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.unsupported_fields import CHAT_ONLY_AT, refusal
 
@@ -34,12 +34,24 @@ class ChatMessage(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, v: Any) -> Any:
-        for i, part in enumerate(v if isinstance(v, list) else []):
+        """Each part a text part; an error names the part's own key (not the branches of the union)."""
+        if not isinstance(v, list):
+            return v
+        parts: list[Any] = []
+        for i, part in enumerate(v):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
                 raise ValueError(f"{i}.type: content parts of type `{kind}` are not supported: the models here "
                                  "read text only")
-        return v
+            try:
+                parts.append(TextPart.model_validate(part) if isinstance(part, dict) else part)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(p) for p in (i, *first["loc"]))
+                why = ("unrecognized request argument; this server does not support it"
+                       if first["type"] == "extra_forbidden" else first["msg"])
+                raise ValueError(f"{where}: {why}") from None
+        return parts
 
     def text(self) -> str:
         if self.content is None:
@@ -245,6 +257,21 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("not supported by this server: the answer never repeats the prompt; send false")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("not supported by this server: text is only appended after the prompt, never inserted "
+                             "before a suffix")
+        return v
 
 
 # OpenAI's bound on the inputs of one embeddings request

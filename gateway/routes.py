@@ -134,8 +134,6 @@ async def completions(body: CompletionRequest, p: Principal = Depends(principal)
         prompt = prompt[0]
     if isinstance(prompt, list) and not prompt or prompt == "":
         raise invalid_request("prompt: must not be empty", "prompt")
-    if body.echo or body.suffix:
-        raise invalid_request("echo and suffix are not supported", "echo" if body.echo else "suffix")
     fmt = CompletionFormat(body.logprobs is not None)
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt),
                       prompt_tokens_bound=completion_prompt_bound(prompt))
