@@ -111,6 +111,19 @@ def test_a_structured_request_is_never_answered_with_free_text(reuse_server):
         "Paris", "Lyon")
 
 
+def test_a_request_under_other_constraints_is_never_answered_from_the_cache(reuse_server):
+    live, _, keys = reuse_server
+    assert chat(live, keys["alpha"]).headers["x-tollgate-cache"] in ("miss", "hit")  # the plain answer is stored
+    for changed in ({"logit_bias": {"42": -100}}, {"stop": ["Paris"]}, {"seed": 7}):  # all of them: test_namespace.py
+        assert chat(live, keys["alpha"], **changed).headers["x-tollgate-cache"] == "miss", changed
+    with_logprobs = chat(live, keys["alpha"], logprobs=True)  # a cached answer has no logprobs to give
+    assert with_logprobs.headers["x-tollgate-cache"] == "skip"
+    assert with_logprobs.json()["choices"][0]["logprobs"]["content"]
+    # who asks and how it is delivered change nothing: the stored answer serves
+    same = chat(live, keys["alpha"], user="someone", store=False, service_tier="auto", prompt_cache_key="k")
+    assert same.headers["x-tollgate-cache"] == "hit"
+
+
 def test_sampled_requests_are_not_cached(reuse_server):
     live, _, keys = reuse_server
     r = chat(live, keys["alpha"], temperature=0.7, seed=1)
