@@ -134,3 +134,15 @@ def test_token_outside_the_vocabulary_is_refused_before_anything_runs(tiny: LLM)
     with pytest.raises(ValueError, match=rf"^logit_bias: token id {vocab} is outside"):
         tiny.generate([PROMPT], [SamplingParams(max_tokens=2, logit_bias={vocab: 1.0})])
     assert not tiny.engine.requests
+
+
+@pytest.mark.gpu
+def test_bias_on_the_gpu_equals_the_cpu_reference() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(64, 32_000, dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, logit_bias={int(t): float(b) for t, b in zip(
+        torch.randint(0, 32_000, (i % 5,)), torch.empty(i % 5).uniform_(-100, 100))} or None) for i in range(64)]
+    on_gpu = add_logit_bias(logits.cuda(), params)
+    torch.testing.assert_close(on_gpu.cpu(), reference_adjusted(logits, params, [[]] * 64).float(), rtol=0, atol=1e-4)
+    picked = Sampler()(logits.cuda(), [row(p) for p in params]).token_ids
+    assert picked == reference_adjusted(logits, params, [[]] * 64).argmax(dim=-1).tolist()
