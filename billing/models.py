@@ -54,6 +54,8 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
     alert_at: Mapped[float | None] = mapped_column(Float)  # soft budget: alert once at this share of budget_usd
+    # the semantic cache's bound on answers served to a different question (cache/bounds.py); None: the default
+    cache_max_false_hit_rate: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
@@ -72,6 +74,7 @@ class ApiKey(Base):
     tpm: Mapped[int | None] = mapped_column(Integer)
     budget_usd: Mapped[Decimal | None] = mapped_column(Money())  # monthly, None: unlimited
     alert_at: Mapped[float | None] = mapped_column(Float)  # soft budget: alert once at this share of budget_usd
+    cache_max_false_hit_rate: Mapped[float | None] = mapped_column(Float)  # None: the tenant's
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

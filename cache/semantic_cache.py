@@ -1,6 +1,8 @@
-"""SemanticCache: per-namespace FAISS search, a same-question verifier, TTL, LRU bound, SQLite."""
+"""SemanticCache: per-namespace FAISS search, a same-question verifier, thresholds per bound and entry, TTL, LRU
+bound, SQLite."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -10,11 +12,13 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
+from cache.bounds import Bound, FalseHitBounds, shipped_bounds
 from cache.index import HNSW_THRESHOLD, NamespaceIndex
+from cache.learning import ANSWER_AGREEMENT, EntryLabels, normalized
 from cache.namespace import Namespace
 from cache.store import EntryStore, StoredEntry
-from cache.types import CacheStats, Hit
-from cache.verifier import Verifier
+from cache.types import CacheStats, Flagged, Hit, Lookup
+from cache.verifier import DEFAULT_ARTIFACT, Verifier
 from tollgate import envs
 
 DB_FILENAME = "semantic_cache.sqlite3"
@@ -37,6 +41,7 @@ class _Entry:
     usage: dict[str, Any]
     created: float
     last_used: float
+    labels: EntryLabels
 
 
 class SemanticCache:
@@ -51,13 +56,20 @@ class SemanticCache:
         top_k: int = 4,
         hnsw_threshold: int = HNSW_THRESHOLD,
         clock: Callable[[], float] = time.time,
+        bounds: FalseHitBounds | None = None,
+        learn: bool = True,
     ) -> None:
+        """`bounds`: the threshold for each false-hit bound (default: the shipped table when the verifier is the
+        shipped one it was calibrated for, else the verifier's own threshold for every bound). `learn`: whether
+        entries' thresholds move with labels (cache/learning.py); off, every entry keeps its bound's threshold."""
         if embedder is None:
             from cache.embedder import shared_embedder
 
             embedder = shared_embedder()
         self.embedder = embedder
         self.verifier = verifier or load_default_verifier()
+        self.bounds = bounds or default_bounds(self.verifier)
+        self.learn_enabled = learn
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.top_k = top_k
@@ -79,19 +91,82 @@ class SemanticCache:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def lookup(self, namespace: Namespace, prompt: str, embedding: np.ndarray | None = None) -> Hit | None:
+    def lookup(self, namespace: Namespace, prompt: str, embedding: np.ndarray | None = None,
+               max_false_hit_rate: float | None = None) -> Hit | None:
+        return self.consult(namespace, prompt, embedding, max_false_hit_rate).hit
+
+    def consult(self, namespace: Namespace, prompt: str, embedding: np.ndarray | None = None,
+                max_false_hit_rate: float | None = None) -> Lookup:
+        """Hit, learning or miss at the bound `max_false_hit_rate` (δ; None: the default, cache/bounds.py)."""
+        bound = self.bounds.at(max_false_hit_rate)
         now = self._clock()
         with self._lock:  # the same prompt in the same namespace needs neither the embedder nor the verifier
-            exact = self._exact_hit(namespace, prompt, now)
+            exact = self._exact_hit(namespace, prompt, now, bound)
             if exact is not None:
                 return self._count(namespace, exact, now)
         if embedding is None and not self.embedder.sees_all_of(prompt):
             with self._lock:  # longer than the embedder reads: only the very same text may be served
-                return self._count(namespace, None, now)
+                return self._count(namespace, Lookup("miss"), now)
         q = self._embed(prompt) if embedding is None else embedding
         now = self._clock()
         with self._lock:
-            return self._count(namespace, self._best_candidate(namespace, prompt, q, now), now)
+            return self._count(namespace, self._best_candidate(namespace, prompt, q, now, bound), now)
+
+    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
+              answer_embedding: np.ndarray | None = None) -> bool | None:
+        """The model's fresh `answer` to a prompt that scored `score` against entry `entry_id` (a `learning` lookup)
+        labels the entry: the same answer (word for word, or embeddings at ANSWER_AGREEMENT or closer) says the two
+        prompts ask the same thing. Returns the label, or None when the entry is gone or another namespace's."""
+        with self._lock:
+            entry = self._entries.get(entry_id)
+            if entry is None or entry.tenant != namespace.tenant or entry.namespace != namespace.key:
+                return None
+            cached = entry.answer
+        same = normalized(answer) == normalized(cached)
+        if not same:
+            vecs = self.embedder.encode([cached, answer]) if answer_embedding is None else np.stack(
+                [self.embedder.encode([cached])[0], answer_embedding])
+            same = float(vecs[0] @ vecs[1]) >= ANSWER_AGREEMENT
+        self.label(namespace, entry_id, score, same)
+        return same
+
+    def label(self, namespace: Namespace, entry_id: int, score: float, same: bool) -> None:
+        """Records that a prompt scoring `score` against the entry asked the same question (or not)."""
+        if not self.learn_enabled and same:
+            return
+        with self._lock:
+            entry = self._entries.get(entry_id)
+            if entry is None or entry.tenant != namespace.tenant or entry.namespace != namespace.key:
+                return
+            entry.labels.add(score, same)
+            if entry.labels.flagged_exact:
+                self._remove([entry_id])
+            else:
+                self._store.save_labels(entry_id, entry.labels.to_json())
+
+    def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
+        """Remembers which entry answered `response_id`, so its client can flag the answer (flag())."""
+        if lookup.hit is None or lookup.score is None:
+            return
+        with self._lock:
+            self._store.record_served(response_id, namespace.tenant, lookup.hit.entry_id, lookup.score,
+                                      self._clock())
+
+    def flag(self, tenant: str, response_id: str) -> Flagged | None:
+        """A client says the cached answer it got as `response_id` was wrong: the entry stops serving prompts
+        scoring that low or lower at once (all of them when the prompt was the same text). None: no answer of
+        `tenant`'s was served under that id (another tenant's ids are as unknown as made-up ones)."""
+        with self._lock:
+            row = self._store.served(response_id)
+            if row is None or row.tenant != tenant:
+                return None
+            entry = self._entries.get(row.entry_id)
+            if entry is None:
+                return Flagged(response_id, row.entry_id, row.score, True, None)
+            self.label(Namespace(entry.tenant, entry.namespace), row.entry_id, row.score, False)
+            removed = row.entry_id not in self._entries
+            threshold = None if removed else entry.labels.threshold(self.bounds.at(None))
+            return Flagged(response_id, row.entry_id, row.score, removed, threshold)
 
     def store(
         self,
@@ -123,7 +198,7 @@ class SemanticCache:
                     self._remove([old])
                 entry_id = self._next_id
                 self._next_id += 1
-                entry = _Entry(namespace.tenant, namespace.key, prompt, answer, dict(usage), now, now)
+                entry = _Entry(namespace.tenant, namespace.key, prompt, answer, dict(usage), now, now, EntryLabels())
                 self._add(entry_id, entry, vec)
                 rows.append(StoredEntry(entry_id, entry.tenant, entry.namespace, prompt, vec, answer,
                                         entry.usage, now, now))
@@ -148,6 +223,7 @@ class SemanticCache:
             cutoff = self._clock() - self.ttl_s
             ids = [i for i, e in self._entries.items() if e.created < cutoff]
             self._remove(ids)
+            self._store.forget_served_before(cutoff)
             return len(ids)
 
     def stats(self, tenant: str | None = None) -> CacheStats:
@@ -177,13 +253,14 @@ class SemanticCache:
     def _embed(self, prompt: str) -> np.ndarray:
         return self.embedder.encode([prompt])[0]
 
-    def _count(self, namespace: Namespace, hit: Hit | None, now: float) -> Hit | None:
+    def _count(self, namespace: Namespace, lookup: Lookup, now: float) -> Lookup:
         """Records a lookup's outcome (stats, LRU order, the entry's last use) and returns it."""
         stats = self._stats.setdefault(namespace.tenant, CacheStats())
         stats.lookups += 1
+        hit = lookup.hit
         if hit is None:
             self._store.bump_counters(namespace.tenant, 1, 0, 0, 0, 0.0)
-            return None
+            return lookup
         entry = self._entries[hit.entry_id]
         entry.last_used = now
         self._lru.move_to_end(hit.entry_id)
@@ -194,21 +271,29 @@ class SemanticCache:
         stats.saved_completion_tokens += ct
         stats.saved_dollars += dollars
         self._store.bump_counters(namespace.tenant, 1, 1, pt, ct, dollars)
-        return hit
+        return lookup
 
-    def _exact_hit(self, ns: Namespace, prompt: str, now: float) -> Hit | None:
+    def _entry_threshold(self, entry: _Entry, bound: Bound) -> float:
+        if not self.learn_enabled:
+            wrong = entry.labels.wrong_max  # flags still count: a flagged answer is never served again there
+            return bound.threshold if wrong is None else max(bound.threshold, math.nextafter(wrong, math.inf))
+        return entry.labels.threshold(bound)
+
+    def _exact_hit(self, ns: Namespace, prompt: str, now: float, bound: Bound) -> Lookup | None:
         """The live entry stored for this very prompt in this namespace, if any (an expired one is left to
         _best_candidate, which removes it)."""
         entry_id = self._exact.get((ns.tenant, ns.key, prompt))
         entry = None if entry_id is None else self._entries.get(entry_id)
         if entry is None or now - entry.created > self.ttl_s:
             return None
-        return Hit(entry_id, entry.answer, dict(entry.usage), 1.0, 1.0, entry.prompt)
+        threshold = self._entry_threshold(entry, bound)
+        hit = Hit(entry_id, entry.answer, dict(entry.usage), 1.0, 1.0, entry.prompt, threshold)
+        return Lookup("hit", hit, entry_id, 1.0, threshold)
 
-    def _best_candidate(self, ns: Namespace, prompt: str, q: np.ndarray, now: float) -> Hit | None:
+    def _best_candidate(self, ns: Namespace, prompt: str, q: np.ndarray, now: float, bound: Bound) -> Lookup:
         index = self._indexes.get((ns.tenant, ns.key))
         if index is None:
-            return None
+            return Lookup("miss")
         cands: list[tuple[int, float]] = []
         expired: list[int] = []
         for entry_id, cos in index.search(q, self.top_k):
@@ -224,16 +309,23 @@ class SemanticCache:
         if expired:
             self._remove(expired)
         if not cands:
-            return None
+            return Lookup("miss")
         texts = [self._entries[i].prompt for i, _ in cands]
         vecs = np.stack([index.vector(i) for i, _ in cands])
         probs = self.verifier.score_pairs([prompt] * len(cands), texts, np.repeat(q[None, :], len(cands), 0), vecs)
-        best = int(np.argmax(probs))
-        if probs[best] < self.verifier.threshold:
-            return None
-        entry_id, cos = cands[best]
-        entry = self._entries[entry_id]
-        return Hit(entry_id, entry.answer, dict(entry.usage), cos, float(probs[best]), entry.prompt)
+        thresholds = [self._entry_threshold(self._entries[i], bound) for i, _ in cands]
+        serving = [j for j in range(len(cands)) if probs[j] >= thresholds[j]]
+        if serving:  # the most likely same question among the entries that serve at their scores
+            j = max(serving, key=lambda k: probs[k])
+            entry_id, cos = cands[j]
+            entry = self._entries[entry_id]
+            score = float(probs[j])
+            hit = Hit(entry_id, entry.answer, dict(entry.usage), cos, score, entry.prompt, thresholds[j])
+            return Lookup("hit", hit, entry_id, score, thresholds[j])
+        j = int(np.argmax(probs))
+        score = float(probs[j])
+        state = "learning" if self.learn_enabled and score >= bound.learning_floor else "miss"
+        return Lookup(state, None, cands[j][0], score, thresholds[j])
 
     def _add(self, entry_id: int, entry: _Entry, vec: np.ndarray) -> None:
         key = (entry.tenant, entry.namespace)
@@ -281,7 +373,7 @@ class SemanticCache:
                 expired.append(row.id)
                 continue
             self._entries[row.id] = _Entry(row.tenant, row.namespace, row.prompt, row.answer, row.usage,
-                                           row.created, row.last_used)
+                                           row.created, row.last_used, EntryLabels.from_json(row.labels))
             self._lru[row.id] = None
             self._exact[(row.tenant, row.namespace, row.prompt)] = row.id
             groups.setdefault((row.tenant, row.namespace), []).append(row)
@@ -309,6 +401,13 @@ def load_default_verifier() -> Any:
     if DEFAULT_CROSS.exists():
         return CrossVerifier(DEFAULT_CROSS)
     return Verifier.load()
+
+
+def default_bounds(verifier: Any) -> FalseHitBounds:
+    """The shipped table for the verifier it was calibrated for; the verifier's own threshold for any other."""
+    if getattr(verifier, "source", None) == DEFAULT_ARTIFACT:
+        return shipped_bounds()
+    return FalseHitBounds.single(float(verifier.threshold))
 
 
 def default_cache_dir() -> Path:

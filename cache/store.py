@@ -32,7 +32,17 @@ CREATE TABLE IF NOT EXISTS counters (
     saved_completion_tokens INTEGER NOT NULL DEFAULT 0,
     saved_dollars REAL NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS served (
+    response_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    entry_id INTEGER NOT NULL,
+    score REAL NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS served_created ON served (created);
 """
+# columns added after the first release: (table, column, definition); added in place to an older file
+ADDED_COLUMNS = (("entries", "labels", "TEXT NOT NULL DEFAULT '[]'"),)
 
 
 @dataclass
@@ -46,6 +56,14 @@ class StoredEntry:
     usage: dict[str, Any]
     created: float
     last_used: float
+    labels: list | None = None  # cache/learning.py's (score, same question) pairs
+
+
+@dataclass(frozen=True)
+class ServedRow:
+    tenant: str
+    entry_id: int
+    score: float
 
 
 class EntryStore:
@@ -58,6 +76,10 @@ class EntryStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        for table, column, definition in ADDED_COLUMNS:
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         with self._lock:
@@ -70,14 +92,14 @@ class EntryStore:
     def insert_many(self, entries: list[StoredEntry]) -> None:
         rows = [
             (e.id, e.tenant, e.namespace, e.prompt, e.embedding.astype(np.float32).tobytes(),
-             e.answer, json.dumps(e.usage), e.created, e.last_used)
+             e.answer, json.dumps(e.usage), e.created, e.last_used, json.dumps(e.labels or []))
             for e in entries
         ]
         with self._lock:
             self._db.execute("BEGIN")
             self._db.executemany(
                 "INSERT OR REPLACE INTO entries (id, tenant, namespace, prompt, embedding, answer, usage,"
-                " created, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " created, last_used, labels) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             self._db.execute("COMMIT")
@@ -93,6 +115,26 @@ class EntryStore:
     def delete_tenant(self, tenant: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
+            self._db.execute("DELETE FROM served WHERE tenant = ?", (tenant,))
+
+    def save_labels(self, entry_id: int, labels: list) -> None:
+        with self._lock:
+            self._db.execute("UPDATE entries SET labels = ? WHERE id = ?", (json.dumps(labels), entry_id))
+
+    def record_served(self, response_id: str, tenant: str, entry_id: int, score: float, now: float) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO served (response_id, tenant, entry_id, score, created)"
+                             " VALUES (?, ?, ?, ?, ?)", (response_id, tenant, entry_id, score, now))
+
+    def served(self, response_id: str) -> ServedRow | None:
+        with self._lock:
+            row = self._db.execute("SELECT tenant, entry_id, score FROM served WHERE response_id = ?",
+                                   (response_id,)).fetchone()
+        return None if row is None else ServedRow(row[0], int(row[1]), float(row[2]))
+
+    def forget_served_before(self, cutoff: float) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM served WHERE created < ?", (cutoff,))
 
     def record_hit(self, entry_id: int, now: float) -> None:
         with self._lock:
@@ -125,11 +167,11 @@ class EntryStore:
     def load(self) -> Iterator[StoredEntry]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, tenant, namespace, prompt, embedding, answer, usage, created, last_used"
+                "SELECT id, tenant, namespace, prompt, embedding, answer, usage, created, last_used, labels"
                 " FROM entries ORDER BY last_used"
             ).fetchall()
         for r in rows:
             yield StoredEntry(
                 int(r[0]), r[1], r[2], r[3], np.frombuffer(r[4], dtype=np.float32).copy(),
-                r[5], json.loads(r[6]), float(r[7]), float(r[8]),
+                r[5], json.loads(r[6]), float(r[7]), float(r[8]), json.loads(r[9]),
             )

@@ -13,6 +13,30 @@ class Hit:
     similarity: float  # cosine of the two prompts' embeddings
     probability: float  # the verifier's belief that both prompts ask the same question
     cached_prompt: str
+    threshold: float | None = None  # the entry's threshold at the bound asked (cache/learning.py)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup's outcome: hit (served), learning (the best candidate scored near its entry's threshold: the model
+    answers and its answer teaches the entry), or miss."""
+
+    state: str  # hit | learning | miss
+    hit: Hit | None = None
+    entry_id: int | None = None  # the candidate served or learned from
+    score: float | None = None  # its verifier score
+    threshold: float | None = None  # its entry's threshold at the bound asked
+
+
+@dataclass(frozen=True)
+class Flagged:
+    """A served answer a client reported wrong: its entry no longer serves at that score or below."""
+
+    response_id: str
+    entry_id: int
+    score: float
+    removed: bool  # the flagged hit was the same prompt word for word: the entry is gone
+    threshold: float | None  # the entry's threshold at the default bound now (None once removed)
 
 
 @dataclass

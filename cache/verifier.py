@@ -40,6 +40,7 @@ class Verifier:
         # Pairs below this cosine are never the same question in QQP; skipping them saves the MLP call.
         self.min_cosine = min_cosine
         self.meta = meta or {}
+        self.source: Path | None = None  # the artifact it was loaded from
 
     @classmethod
     def load(cls, path: Path | str = DEFAULT_ARTIFACT, threshold: float | None = None) -> "Verifier":
@@ -47,7 +48,7 @@ class Verifier:
             n = int(z["n_layers"])
             layers = [(z[f"w{i}"].astype(np.float32), z[f"b{i}"].astype(np.float32)) for i in range(n)]
             meta = json.loads(str(z["meta"]))
-            return cls(
+            verifier = cls(
                 layers,
                 z["mean"].astype(np.float32),
                 z["scale"].astype(np.float32),
@@ -55,6 +56,8 @@ class Verifier:
                 float(z["min_cosine"]),
                 meta,
             )
+        verifier.source = Path(path) if threshold is None else None
+        return verifier
 
     def save(self, path: Path | str) -> None:
         arrays: dict[str, np.ndarray] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from billing.migrate import open_database
@@ -68,9 +67,11 @@ def register(sub: Any) -> None:
 
     cache = sub.add_parser("cache", help="semantic cache")
     c_sub = cache.add_subparsers(required=True, metavar="ACTION")
-    ce = c_sub.add_parser("eval", help="hit and false-hit rates of the shipped cache on {a, b, duplicate} pairs")
-    ce.add_argument("--pairs", type=Path, required=True, help='JSONL of {"a", "b", "duplicate"}')
-    ce.add_argument("--json", action="store_true")
+    ce = c_sub.add_parser("eval", help="hit and false-hit rates of the shipped cache on {a, b, duplicate} pairs "
+                                       "at a false-hit bound")
+    from cache.eval import add_arguments
+
+    add_arguments(ce)
     ce.set_defaults(func=cmd_cache_eval)
 
     st = sub.add_parser("settings", help="every TOLLGATE_* variable: type, default, the value in effect, help")
@@ -93,7 +94,8 @@ def cmd_settings(args: argparse.Namespace, _: Settings) -> int:
 def cmd_cache_eval(args: argparse.Namespace, _: Settings) -> int:
     from cache import eval as cache_eval
 
-    return cache_eval.main(["--pairs", str(args.pairs)] + (["--json"] if args.json else []))
+    return cache_eval.main(["--pairs", str(args.pairs), "--max-false-hit-rate", str(args.max_false_hit_rate)]
+                           + (["--json"] if args.json else []))
 
 
 def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:

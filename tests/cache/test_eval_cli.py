@@ -15,7 +15,8 @@ def test_eval_cli_prints_json(tmp_path, capsys, embedder):
     path.write_text("\n".join(json.dumps(p) for p in PAIRS) + "\n")
     assert main(["--pairs", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"pairs", "hit_rate", "false_hit_rate"}
+    assert set(out) == {"pairs", "max_false_hit_rate", "threshold", "hit_rate", "false_hit_rate", "false_hits",
+                        "non_duplicates"}
     assert out["pairs"] == 4
     assert out["false_hit_rate"] == 0.0
     assert out["hit_rate"] >= 0.5
