@@ -15,6 +15,7 @@ from billing.field_checks import (
     MAX_SQL_INT,
     FieldError,
     alert_share,
+    cache_bound,
     count_limit,
     optional_text_field,
     text_field,
@@ -47,17 +48,20 @@ class CreatedKey:
 
 
 def create_tenant(engine: Engine, name: str, budget_usd: float | Decimal | None = None,
-                  alert_at: float | None = None) -> Tenant:
-    """`alert_at`: a soft budget, the share of budget_usd at which one alert fires a month (billing/budget_alerts.py)."""
+                  alert_at: float | None = None, cache_max_false_hit_rate: float | None = None) -> Tenant:
+    """`alert_at`: a soft budget, the share of budget_usd at which one alert fires a month (billing/budget_alerts.py).
+    `cache_max_false_hit_rate`: the semantic cache's bound for the tenant's keys (None: the platform's default)."""
     text_field("name", name)
     if not name.strip():
         raise AccountError("name: a tenant name must not be empty")
     usd_amount("budget_usd", budget_usd)
     alert_share("alert_at", alert_at, budget_usd)
+    cache_bound("cache_max_false_hit_rate", cache_max_false_hit_rate)
     with Session(engine, expire_on_commit=False) as s, s.begin():
         if s.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise AccountError(f"tenant {name!r} already exists")
-        tenant = Tenant(name=name, budget_usd=budget_usd, alert_at=alert_at)
+        tenant = Tenant(name=name, budget_usd=budget_usd, alert_at=alert_at,
+                        cache_max_false_hit_rate=cache_max_false_hit_rate)
         s.add(tenant)
     return tenant
 
@@ -84,6 +88,30 @@ def set_tenant_budget(engine: Engine, name: str, budget_usd: float | Decimal | N
         tenant.budget_usd = budget_usd
 
 
+def set_cache_bound(engine: Engine, tenant: str, value: float | None, key: str | None = None) -> None:
+    """Sets the semantic cache's false-hit bound of a tenant, or of one of its keys (by id or display prefix); None
+    clears it (a key then follows its tenant, a tenant the platform's default)."""
+    text_field("tenant", tenant)
+    cache_bound("cache_max_false_hit_rate", value)
+    with Session(engine) as s, s.begin():
+        owner = s.scalar(select(Tenant).where(Tenant.name == tenant))
+        if owner is None:
+            raise AccountError(f"no tenant named {tenant!r}")
+        if key is None:
+            owner.cache_max_false_hit_rate = value
+            return
+        text_field("key", key)
+        if key.isascii() and key.isdigit():
+            which = ApiKey.id == min(int(key), MAX_SQL_INT + 1)  # past the column's range: matches nothing
+        else:
+            which = ApiKey.prefix == key[:DISPLAY_CHARS]
+        rows = list(s.scalars(select(ApiKey).where(which, ApiKey.tenant_id == owner.id)))
+        if len(rows) != 1:
+            raise AccountError(f"no key {key!r} of tenant {tenant!r}" if not rows else
+                               f"key prefix {key!r} is ambiguous; use the key's id")
+        rows[0].cache_max_false_hit_rate = value
+
+
 def create_key(
     engine: Engine,
     tenant: str,
@@ -94,6 +122,7 @@ def create_key(
     name: str | None = None,
     project: str | None = None,
     alert_at: float | None = None,
+    cache_max_false_hit_rate: float | None = None,
 ) -> CreatedKey:
     text_field("tenant", tenant)
     optional_text_field("name", name)
@@ -102,6 +131,7 @@ def create_key(
     count_limit("tpm", tpm)
     usd_amount("budget_usd", budget_usd)
     alert_share("alert_at", alert_at, budget_usd)
+    cache_bound("cache_max_false_hit_rate", cache_max_false_hit_rate)
     key = new_key()
     prefix = key[:DISPLAY_CHARS]
     with Session(engine) as s, s.begin():
@@ -109,7 +139,8 @@ def create_key(
         if owner is None:
             raise AccountError(f"no tenant named {tenant!r}")
         row = ApiKey(tenant_id=owner.id, key_hash=hash_key(key), prefix=prefix, name=name, project=project,
-                     rpm=rpm, tpm=tpm, budget_usd=budget_usd, alert_at=alert_at)
+                     rpm=rpm, tpm=tpm, budget_usd=budget_usd, alert_at=alert_at,
+                     cache_max_false_hit_rate=cache_max_false_hit_rate)
         s.add(row)
         s.flush()
         key_id = row.id
@@ -135,6 +166,7 @@ class KeyInfo:
     revoked: bool
     created_at: datetime
     alert_at: float | None = None  # soft budget: the share of budget_usd at which one alert fires a month
+    cache_max_false_hit_rate: float | None = None  # None: the tenant's
 
 
 def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
@@ -144,7 +176,7 @@ def list_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
         q = q.where(Tenant.name == tenant)
     with Session(engine) as s:
         return [KeyInfo(k.id, k.prefix, t, k.name, k.project, k.rpm, k.tpm, k.budget_usd, k.revoked, k.created_at,
-                        k.alert_at)
+                        k.alert_at, k.cache_max_false_hit_rate)
                 for k, t in s.execute(q)]
 
 

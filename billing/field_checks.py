@@ -10,6 +10,7 @@ import math
 from decimal import Decimal
 
 from billing.money import dollars
+from tollgate.false_hit_bounds import is_offered, offered_text
 
 MAX_NAME_CHARS = 200  # the String(200) columns: tenant, key name, project, end user, model
 MAX_SQL_INT = 2**31 - 1
@@ -66,4 +67,14 @@ def alert_share(field: str, value: float | None, budget: object) -> float | None
         raise FieldError(f"{field}: must be a share of the budget, above 0 and at most 1 (0.8: at 80%), got {value!r}")
     if budget is None:
         raise FieldError(f"{field}: needs a budget (--budget-usd) to be a share of")
+    return float(value)
+
+
+def cache_bound(field: str, value: float | None) -> float | None:
+    """A semantic-cache false-hit bound: None (the tenant's, else the default) or one of the offered ones."""
+    if value is None:
+        return None
+    if not is_offered(value):
+        raise FieldError(f"{field}: one of {offered_text()} expected (0.01: at most 1% of different questions served "
+                         f"a cached answer), got {value!r}")
     return float(value)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from tollgate.false_hit_bounds import DEFAULT as DEFAULT_MAX_FALSE_HIT_RATE
+from tollgate.false_hit_bounds import OFFERED, is_offered, offered_text
+
 TABLE = Path(__file__).with_name("false_hit_bounds.json")
-OFFERED = (0.002, 0.005, 0.01, 0.02, 0.05)
-DEFAULT_MAX_FALSE_HIT_RATE = 0.01
 LEARNING_FLOOR_FACTOR = 4
+__all__ = ["DEFAULT_MAX_FALSE_HIT_RATE", "OFFERED", "TABLE", "Bound", "FalseHitBounds", "offered_text"]
 
 
 @dataclass(frozen=True)
@@ -55,15 +57,11 @@ class FalseHitBounds:
         return fitting[-1]
 
 
-def offered_text() -> str:
-    return ", ".join(f"{d:g}" for d in OFFERED)
-
-
 def check_max_false_hit_rate(value: float | None) -> float | None:
     """A δ a tenant or key may store: an offered one (ValueError naming the field otherwise)."""
     if value is None:
         return None
-    if not any(abs(value - d) < 1e-12 for d in OFFERED):
+    if not is_offered(value):
         raise ValueError(f"cache_max_false_hit_rate: one of {offered_text()} expected, got {value!r}")
     return float(value)
 

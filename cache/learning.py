@@ -7,7 +7,9 @@ Every entry starts at its tenant's calibrated threshold (cache/bounds.py). Label
 - a client flagging a served answer as wrong (POST /v1/cache/feedback) says the entry was wrong at that score.
 A same-question label at score s lets the entry serve from s up (never below the learning floor): a question closer
 to the entry than one known to ask the same thing is taken to ask it too. A wrong label at score w stops the entry
-from serving at w or below at once, and same-question labels at or below w no longer count.
+from serving its neighbourhood at once: every score up to w + (1 - w) / 2 (half the way from w to certainty, so the
+same prompt embedded on another thread count, a few 1e-7 apart, stays blocked), and same-question labels in it no
+longer count.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from cache.bounds import Bound
 
 MAX_LABELS = 32  # the most recent labels an entry keeps
+WRONG_NEIGHBOURHOOD = 0.5  # a wrong label at w blocks scores up to w + this share of the distance from w to 1
 # Answers at temperature 0 to the same question from the same model are nearly always the same text; this cosine
 # between two answers' embeddings counts as agreement too (a reworded but equal answer).
 ANSWER_AGREEMENT = 0.95
@@ -37,15 +40,21 @@ class EntryLabels:
         w = self.wrong_max
         return w is not None and w >= 1.0
 
+    @property
+    def blocked_up_to(self) -> float | None:
+        """Scores up to this one are never served (a wrong label's neighbourhood)."""
+        wrong = self.wrong_max
+        return None if wrong is None else wrong + (1.0 - wrong) * WRONG_NEIGHBOURHOOD
+
     def threshold(self, bound: Bound) -> float:
         """The score from which this entry serves at the bound's δ."""
-        wrong = self.wrong_max
-        same = [s for s, ok in self.labels if ok and (wrong is None or s > wrong)]
+        blocked = self.blocked_up_to
+        same = [s for s, ok in self.labels if ok and (blocked is None or s > blocked)]
         t = bound.threshold
         if same:
             t = min(t, max(bound.learning_floor, min(same)))
-        if wrong is not None:
-            t = max(t, math.nextafter(wrong, math.inf))
+        if blocked is not None:
+            t = max(t, math.nextafter(blocked, math.inf))
         return t
 
     def add(self, score: float, same: bool) -> None:

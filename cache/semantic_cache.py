@@ -275,8 +275,8 @@ class SemanticCache:
 
     def _entry_threshold(self, entry: _Entry, bound: Bound) -> float:
         if not self.learn_enabled:
-            wrong = entry.labels.wrong_max  # flags still count: a flagged answer is never served again there
-            return bound.threshold if wrong is None else max(bound.threshold, math.nextafter(wrong, math.inf))
+            blocked = entry.labels.blocked_up_to  # flags still count: a flagged answer is never served there again
+            return bound.threshold if blocked is None else max(bound.threshold, math.nextafter(blocked, math.inf))
         return entry.labels.threshold(bound)
 
     def _exact_hit(self, ns: Namespace, prompt: str, now: float, bound: Bound) -> Lookup | None:

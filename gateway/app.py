@@ -20,6 +20,7 @@ from gateway import errors
 from gateway.access_log import redact_access_log
 from gateway.adapter_routes import adapter_router
 from gateway.admin_routes import admin_router
+from gateway.cache_feedback import cache_feedback_router
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth_throttle import FailedAuthThrottle
 from gateway.backends import LocalEngineBackend, ModelBackend
@@ -94,6 +95,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.include_router(embeddings_router)
     app.include_router(admin_router)
     app.include_router(adapter_router)
+    app.include_router(cache_feedback_router)
     install_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(InFlightMiddleware, in_flight=in_flight)

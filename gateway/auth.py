@@ -31,6 +31,7 @@ class Principal:
     key_budget_usd: Decimal | None
     tenant_budget_usd: Decimal | None
     scoped_budgets: bool = False  # the tenant has end-user or tag budgets (admission looks up each request's)
+    cache_max_false_hit_rate: float | None = None  # the key's semantic-cache bound, else its tenant's; None: default
 
 
 class KeyStore:
@@ -43,7 +44,8 @@ class KeyStore:
         self._query = (
             select(ApiKey.id, ApiKey.key_hash, ApiKey.prefix, ApiKey.revoked, ApiKey.project, ApiKey.rpm,
                    ApiKey.tpm, ApiKey.budget_usd, Tenant.id, Tenant.name, Tenant.budget_usd, Tenant.uid,
-                   select(ScopedBudget.id).where(ScopedBudget.tenant_id == Tenant.id).exists())
+                   select(ScopedBudget.id).where(ScopedBudget.tenant_id == Tenant.id).exists(),
+                   ApiKey.cache_max_false_hit_rate, Tenant.cache_max_false_hit_rate)
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
         )
 
@@ -102,4 +104,5 @@ class KeyStore:
             return None
         return Principal(key_id=row[0], key_prefix=row[2], project=row[4], rpm=row[5], tpm=row[6],
                          key_budget_usd=row[7], tenant_id=row[8], tenant=row[9], tenant_budget_usd=row[10],
-                         tenant_uid=row[11], scoped_budgets=bool(row[12]))
+                         tenant_uid=row[11], scoped_budgets=bool(row[12]),
+                         cache_max_false_hit_rate=row[13] if row[13] is not None else row[14])

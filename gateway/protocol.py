@@ -362,3 +362,11 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+class CacheFeedbackRequest(BaseModel):
+    """POST /v1/cache/feedback: a cached answer the client found wrong, by the response id it came with."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    response_id: str = Field(min_length=1, max_length=200)

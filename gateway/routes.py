@@ -168,17 +168,21 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             call.route = route.task
             headers["x-tollgate-route"] = route.header
         # the cache namespace holds the model id as asked, so an adapter's answers never serve its base or another
-        outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(p.tenant_uid, model, cache_view)
+        outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(
+            p.tenant_uid, model, cache_view, p.cache_max_false_hit_rate)
         if outcome.decision is not None:
-            headers["x-tollgate-cache"] = outcome.header
+            headers.update(outcome.headers())
         if outcome.hit is not None:
             call.cache_hit = True
-            headers["x-tollgate-cache-similarity"] = f"{outcome.hit.similarity:.4f}"
+            await gw.reuse.note_served(call.request_id, outcome)
             stream = hit_stream(call.request_id, outcome.hit)
             first = await stream.__anext__()
         else:
             if outcome.decision is not None and outcome.decision.cacheable:
                 call.cache_decision = outcome.decision
+                # an answer labels the nearest entry only where both answers are the model's one answer
+                greedy = float(outcome.decision.settings.get("temperature", 1.0)) == 0.0
+                call.cache_learning = outcome.lookup if outcome.learning and greedy else None
             generation = make_request(call.request_id, params)
             generation.cache_salt = gw.cache_salt(p, resolved.base)
             generation.account = p.tenant_uid

@@ -22,6 +22,7 @@ from billing.money import ZERO
 from billing.pricing import request_cost
 from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
+from cache.types import Lookup
 from engine.errors import PromptTooLongError
 from gateway.adapters import ResolvedModel
 from gateway.answer_reuse import AnswerReuse
@@ -69,6 +70,7 @@ class Call:
     cache_hit: bool = False
     # set when the answer may be stored in the semantic cache once it completes
     cache_decision: CacheDecision | None = None
+    cache_learning: Lookup | None = None  # a lookup near an entry's threshold: this answer labels that entry
     answer_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None  # of choice 0, kept with a cached answer
 
@@ -320,7 +322,8 @@ class Gateway:
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
                 self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
                     "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
-                    "cost_usd": float(self._list_price(call)), "finish_reason": call.finish_reason or "stop"})
+                    "cost_usd": float(self._list_price(call)), "finish_reason": call.finish_reason or "stop"},
+                    call.cache_learning)
 
     # ---- the ledger -------------------------------------------------------------------------
 

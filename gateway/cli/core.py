@@ -26,6 +26,7 @@ def register(sub: Any) -> None:
     tc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
     tc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget "
                                                    "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST)")
+    _cache_bound_arg(tc, "the semantic cache's bound for the tenant's keys")
     tc.set_defaults(func=cmd_tenants_create)
     tl = t_sub.add_parser("list", help="list tenants")
     tl.add_argument("--json", action="store_true")
@@ -41,6 +42,7 @@ def register(sub: Any) -> None:
     kc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget")
     kc.add_argument("--name")
     kc.add_argument("--project", help="a tag put on every usage event of this key")
+    _cache_bound_arg(kc, "the semantic cache's bound for this key (default: its tenant's)")
     kc.set_defaults(func=cmd_keys_create)
     kl = k_sub.add_parser("list", help="list keys (prefixes only)")
     kl.add_argument("--tenant")
@@ -73,6 +75,14 @@ def register(sub: Any) -> None:
 
     add_arguments(ce)
     ce.set_defaults(func=cmd_cache_eval)
+    cs = c_sub.add_parser("set", help="set a tenant's (or one key's) false-hit bound δ")
+    cs.add_argument("--tenant", required=True)
+    cs.add_argument("--key", help="one of the tenant's keys (id or display prefix); without it, the tenant")
+    bound = cs.add_mutually_exclusive_group(required=True)
+    _cache_bound_arg(bound, "the most a share of different questions may be served a cached answer")
+    bound.add_argument("--default", action="store_true", help="clear it: a key follows its tenant, a tenant the "
+                                                               "platform's default")
+    cs.set_defaults(func=cmd_cache_set)
 
     st = sub.add_parser("settings", help="every TOLLGATE_* variable: type, default, the value in effect, help")
     st.add_argument("--json", action="store_true")
@@ -88,6 +98,24 @@ def cmd_settings(args: argparse.Namespace, _: Settings) -> int:
               "value": "" if r["value"] is None else r["value"], "set": "yes" if r["set"] else "", "help": r["help"]}
              for r in rows]
     print_rows(shown, False)
+    return 0
+
+
+def _cache_bound_arg(parser: Any, what: str) -> None:
+    from tollgate.false_hit_bounds import DEFAULT, OFFERED
+
+    parser.add_argument("--cache-max-false-hit-rate", type=float, choices=OFFERED, metavar="D",
+                        help=f"{what}: one of {', '.join(f'{d:g}' for d in OFFERED)} (0.01: at most 1%% of different "
+                             f"questions served a cached answer; the platform's default is {DEFAULT:g})")
+
+
+def cmd_cache_set(args: argparse.Namespace, settings: Settings) -> int:
+    from billing.accounts import set_cache_bound
+
+    value = None if args.default else args.cache_max_false_hit_rate
+    set_cache_bound(open_database(settings.db_url), args.tenant, value, key=args.key)
+    whose = f"key {args.key} of tenant {args.tenant}" if args.key else f"tenant {args.tenant}"
+    print(f"cache false-hit bound of {whose}: {'default' if value is None else f'{value:g}'}")
     return 0
 
 
@@ -107,7 +135,8 @@ def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tenants_create(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import create_tenant
 
-    tenant = create_tenant(open_database(settings.db_url), args.name, args.budget_usd, args.alert_at)
+    tenant = create_tenant(open_database(settings.db_url), args.name, args.budget_usd, args.alert_at,
+                           args.cache_max_false_hit_rate)
     print(f"created tenant {tenant.name} (id {tenant.id})")
     return 0
 
@@ -116,7 +145,7 @@ def cmd_tenants_list(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import list_tenants
 
     rows = [{"id": t.id, "name": t.name, "budget_usd": t.budget_usd, "alert_at": t.alert_at,
-             "created_at": t.created_at.isoformat()}
+             "cache_max_false_hit_rate": t.cache_max_false_hit_rate, "created_at": t.created_at.isoformat()}
             for t in list_tenants(open_database(settings.db_url))]
     print_rows(rows, args.json)
     return 0
@@ -126,7 +155,8 @@ def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import create_key
 
     created = create_key(open_database(settings.db_url), args.tenant, rpm=args.rpm, tpm=args.tpm,
-                         budget_usd=args.budget_usd, name=args.name, project=args.project, alert_at=args.alert_at)
+                         budget_usd=args.budget_usd, name=args.name, project=args.project, alert_at=args.alert_at,
+                         cache_max_false_hit_rate=args.cache_max_false_hit_rate)
     print(created.key)
     print(f"key id {created.id} for tenant {created.tenant}; it is shown only once", file=sys.stderr)
     return 0
@@ -136,7 +166,8 @@ def cmd_keys_list(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import list_keys
 
     rows = [{"id": k.id, "prefix": k.prefix + "...", "tenant": k.tenant, "name": k.name, "project": k.project,
-             "rpm": k.rpm, "tpm": k.tpm, "budget_usd": k.budget_usd, "revoked": k.revoked,
+             "rpm": k.rpm, "tpm": k.tpm, "budget_usd": k.budget_usd,
+             "cache_max_false_hit_rate": k.cache_max_false_hit_rate, "revoked": k.revoked,
              "created_at": k.created_at.isoformat()} for k in list_keys(open_database(settings.db_url), args.tenant)]
     print_rows(rows, args.json)
     return 0

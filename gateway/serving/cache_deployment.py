@@ -10,7 +10,7 @@ from typing import Any
 from ray import serve
 
 from cache.namespace import Namespace
-from cache.types import Hit
+from cache.types import Flagged, Hit, Lookup
 from gateway.app import open_semantic_cache
 from gateway.settings import Settings
 
@@ -27,6 +27,18 @@ class SemanticCacheServer:
 
     def lookup(self, namespace: Namespace, prompt: str) -> Hit | None:
         return self.cache.lookup(namespace, prompt)
+
+    def consult(self, namespace: Namespace, prompt: str, max_false_hit_rate: float | None) -> Lookup:
+        return self.cache.consult(namespace, prompt, None, max_false_hit_rate)
+
+    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str) -> bool | None:
+        return self.cache.learn(namespace, entry_id, score, answer)
+
+    def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
+        self.cache.note_served(response_id, namespace, lookup)
+
+    def flag(self, tenant: str, response_id: str) -> Flagged | None:
+        return self.cache.flag(tenant, response_id)
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
         return self.cache.store(namespace, prompt, answer, usage)
@@ -47,6 +59,19 @@ class ServeCacheClient:
 
     def lookup(self, namespace: Namespace, prompt: str) -> Hit | None:
         return self.handle.lookup.remote(namespace, prompt).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    def consult(self, namespace: Namespace, prompt: str, embedding: None = None,
+                max_false_hit_rate: float | None = None) -> Lookup:
+        return self.handle.consult.remote(namespace, prompt, max_false_hit_rate).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str) -> bool | None:
+        return self.handle.learn.remote(namespace, entry_id, score, answer).result(timeout_s=STORE_TIMEOUT_S)
+
+    def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
+        self.handle.note_served.remote(response_id, namespace, lookup).result(timeout_s=STORE_TIMEOUT_S)
+
+    def flag(self, tenant: str, response_id: str) -> Flagged | None:
+        return self.handle.flag.remote(tenant, response_id).result(timeout_s=STORE_TIMEOUT_S)
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
         return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=STORE_TIMEOUT_S)

@@ -222,3 +222,64 @@ def test_a_home_reused_with_another_database_never_serves_its_tenants(backend, s
                 live.stop()
                 db.dispose()
     assert headers == ["miss", "hit", "miss", "hit"]
+
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+WHICH_CITY = [{"role": "user", "content": "Which city is the capital of France?"}]  # verifier ~0.974 against PARIS
+TELL_ME = [{"role": "user", "content": "Tell me the capital of France."}]  # ~0.974 too
+
+
+def feedback(live, key: str | None, body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{live.url}/v1/cache/feedback", json=body, headers=headers, timeout=30)
+
+
+def test_near_miss_is_answered_by_the_model_and_says_learning(reuse_server):
+    live, _, keys = reuse_server
+    chat(live, keys["alpha"], messages=PARIS, max_tokens=9)
+    near = chat(live, keys["alpha"], messages=WHICH_CITY, max_tokens=9)  # default bound 1%: threshold ~0.986
+    assert near.status_code == 200 and near.headers["x-tollgate-cache"] == "learning"
+    score, threshold = float(near.headers["x-tollgate-cache-score"]), float(near.headers["x-tollgate-cache-threshold"])
+    assert 0.9 < score < threshold < 1.0
+    assert near.json()["usage"]["completion_tokens"] > 0  # the model answered
+
+
+def test_each_key_serves_at_its_own_bound_and_the_tenant_can_flag_a_hit(reuse_server):
+    live, db, keys = reuse_server
+    create_tenant(db, "gamma", cache_max_false_hit_rate=0.05)
+    loose = create_key(db, "gamma").key  # the tenant's 5%
+    strict = create_key(db, "gamma", cache_max_false_hit_rate=0.002).key
+    assert chat(live, loose, messages=PARIS, max_tokens=10).headers["x-tollgate-cache"] == "miss"
+    assert chat(live, strict, messages=WHICH_CITY, max_tokens=10).headers["x-tollgate-cache"] == "miss"
+    chat(live, loose, messages=PARIS, max_tokens=11)
+    served = chat(live, loose, messages=WHICH_CITY, max_tokens=11)
+    assert served.headers["x-tollgate-cache"] == "hit"
+    assert float(served.headers["x-tollgate-cache-threshold"]) < float(served.headers["x-tollgate-cache-score"])
+    response_id = served.json()["id"]
+
+    assert feedback(live, keys["beta"], {"response_id": response_id}).status_code == 404  # not beta's answer
+    unknown = feedback(live, loose, {"response_id": "chatcmpl-nothing-like-it"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "response_id"
+    for bad in ({}, {"response_id": 7}, {"response_id": ""}, {"response_id": response_id, "entry": 1}):
+        r = feedback(live, loose, bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+    assert feedback(live, None, {"response_id": response_id}).status_code == 401
+
+    flagged = feedback(live, strict, {"response_id": response_id})  # any key of the tenant may flag
+    assert flagged.status_code == 200
+    body = flagged.json()
+    assert body["flagged"] and not body["entry_removed"] and body["entry_threshold"] > body["score"] > 0.9
+    again = chat(live, loose, messages=WHICH_CITY, max_tokens=11)  # the flagged entry no longer serves it
+    assert again.headers["x-tollgate-cache"] == "learning"
+    assert float(again.headers["x-tollgate-cache-threshold"]) > float(again.headers["x-tollgate-cache-score"])
+
+
+def test_flagging_a_word_for_word_hit_removes_the_entry(reuse_server):
+    live, _, keys = reuse_server
+    question = [{"role": "user", "content": "Name the largest planet."}]
+    chat(live, keys["beta"], messages=question)
+    hit = chat(live, keys["beta"], messages=question)
+    assert hit.headers["x-tollgate-cache"] == "hit"
+    flagged = feedback(live, keys["beta"], {"response_id": hit.json()["id"]})
+    assert flagged.status_code == 200 and flagged.json()["entry_removed"] is True
+    assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "miss"
