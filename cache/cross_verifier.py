@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cache.features import numbers_differ
+
+from cache.guards import different_question
 from cache.lora import apply_lora
 
 DEFAULT_CROSS = Path(__file__).with_name("cross_lora.npz")
@@ -59,7 +60,7 @@ class CrossVerifier:
         probs = np.zeros(len(texts_a), dtype=np.float32)
         order = np.argsort(-cos)
         todo = [int(i) for i in order[: self.max_candidates]
-                if cos[i] >= self.min_cosine and not numbers_differ(texts_a[i], texts_b[i])]
+                if cos[i] >= self.min_cosine and different_question(texts_a[i], texts_b[i]) is None]
         if todo:
             z = self.logits([texts_a[i] for i in todo], [texts_b[i] for i in todo])
             probs[todo] = 1.0 / (1.0 + np.exp(-z))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cache.features import numbers_differ, pair_features
+from cache.features import pair_features
+from cache.guards import different_question
 
 DEFAULT_ARTIFACT = Path(__file__).with_name("verifier.npz")
 
@@ -90,8 +91,8 @@ class Verifier:
         probs = self.probabilities(pair_features(texts_a, texts_b, ea, eb))
         cos = np.sum(np.atleast_2d(ea) * np.atleast_2d(eb), axis=1)
         for i, (a, b) in enumerate(zip(texts_a, texts_b)):
-            # A different number is a different question ("15% of 200" vs "15% of 300").
-            if cos[i] < self.min_cosine or numbers_differ(a, b):
+            # Words that make it another question: numbers, negation, opposites, units, dates, names (cache/guards.py).
+            if cos[i] < self.min_cosine or different_question(a, b) is not None:
                 probs[i] = 0.0
         return probs
 
