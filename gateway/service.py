@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 from sqlalchemy import Engine
 
+from billing.charged_prices import stored_prices
 from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
@@ -333,13 +334,14 @@ class Gateway:
         # a cache hit is billed at the cache price (0); its tokens are what it saved at the list price
         cost = ZERO if call.cache_hit else self._list_price(call)
         p = call.principal
+        prices = stored_prices(self.models.prices(call.resolved or call.model))  # kept with it: never re-priced
         self.ledger.record(UsageEvent(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
             tags=call.tags, model=call.resolved.base if call.resolved else call.model,
             adapter=_adapter_name(call.resolved), endpoint=call.fmt.endpoint, route=call.route, status=status,
             prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
             cached_tokens=call.cached_tokens, cache_hit=call.cache_hit, latency_s=latency, ttft_s=call.ttft_s,
-            cost_usd=cost, error=error,
+            cost_usd=cost, error=error, **prices,
         ))
         m = self.metrics
         m.add_spend(p.tenant, cost)
