@@ -164,6 +164,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             if limits is not None:
                 headers.update(limits.headers())
         call = gw.new_call(request_id, p, model, backend, fmt, body.end_user(), body.tags(), resolved)
+        call.reserved = reserved
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header

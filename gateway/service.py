@@ -72,6 +72,8 @@ class Call:
     cache_decision: CacheDecision | None = None
     answer_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None  # of choice 0, kept with a cached answer
+    reserved: bool = False  # admission reserved its worst case (billing/reservations.py)
+    hold_shrunk: bool = False
 
     def absorb(self, chunk: GenerationChunk) -> None:
         self.prompt_tokens = chunk.prompt_tokens
@@ -299,6 +301,7 @@ class Gateway:
                 if chunk.finished:
                     break
                 chunk = await stream.__anext__()
+            await self.shrink_hold(call)  # before the stream ends: a next request sees this one's real cost
             if include_usage:
                 yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             status = "ok"
@@ -317,6 +320,7 @@ class Gateway:
             await stream.aclose()  # type: ignore[attr-defined]
             if status != "ok" and not call.cache_hit:
                 await call.backend.abort(call.request_id)
+            await self.shrink_hold(call)
             self.record(call, status, error)
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
                 self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
@@ -324,6 +328,17 @@ class Gateway:
                     "cost_usd": float(self._list_price(call)), "finish_reason": call.finish_reason or "stop"})
 
     # ---- the ledger -------------------------------------------------------------------------
+
+    async def shrink_hold(self, call: Call) -> None:
+        """The request is done: its reservation becomes its exact cost now, before the response completes, rather
+        than when the ledger writes its event (a request sent right after would meet its worst case still held)."""
+        if not call.reserved or call.hold_shrunk:
+            return
+        call.hold_shrunk = True
+        cost = ZERO if call.cache_hit else self._list_price(call)
+        with anyio.CancelScope(shield=True):  # done before record(): the ledger then settles the shrunk hold
+            await anyio.to_thread.run_sync(self.limiter.shrink, call.request_id, cost,
+                                           call.prompt_tokens + call.completion_tokens)
 
     def _list_price(self, call: Call) -> Decimal:
         return request_cost(self.models.prices(call.resolved or call.model), call.prompt_tokens, call.completion_tokens,
