@@ -58,3 +58,13 @@ def test_a_request_right_after_another_is_admitted_against_its_settled_cost(shar
     assert reserved == Decimal(0) and spent <= budget
     # refused only when what the finished requests spent leaves no room for one more worst case
     assert answered >= 2 and spent + worst > budget, (answered, spent, worst, budget)
+
+
+def test_a_budget_under_a_cent_is_quoted_with_its_real_precision(server, shared_db):
+    create_tenant(shared_db, "sub-cent")
+    created = create_key(shared_db, "sub-cent", budget_usd=Decimal("0.000001"))
+    client = OpenAI(base_url=server.url + "/v1", api_key=created.key, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS)
+    assert refused.value.code == "insufficient_quota"
+    assert "has $0.000001 left of its monthly budget of $0.000001" in refused.value.message
