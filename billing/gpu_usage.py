@@ -13,7 +13,8 @@ import pandas as pd
 from sqlalchemy import Engine, Select, func, select
 
 from billing.field_checks import text_field
-from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant
+from billing.charged_prices import interval_gpu_hour, join_list_prices
+from billing.models import GpuShare, ReplicaInterval, Tenant
 from billing.money import dollars
 from billing.report_query import day_of, within
 
@@ -29,61 +30,70 @@ def _filtered(q: Select, model: str | None, since: datetime | None, until: datet
 
 def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime | None = None,
                     until: datetime | None = None) -> pd.DataFrame:
-    """One row per (day, model); an interval counts on the day it starts (rows span one flush period)."""
-    day = day_of(ReplicaInterval.start).label("day")
-    alive = func.sum(ReplicaInterval.busy_s + ReplicaInterval.idle_s)
-    q = (
-        select(day, ReplicaInterval.model.label("model"),
-               func.count(func.distinct(ReplicaInterval.replica)).label("replicas"),
-               func.coalesce(alive, 0.0).label("alive_s"),
-               func.coalesce(func.sum(ReplicaInterval.busy_s), 0.0).label("busy_s"),
-               func.max(ModelDeployment.gpu_hour).label("gpu_hour"))
-        .select_from(ReplicaInterval)
-        .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
-        .group_by(day, ReplicaInterval.model)
-        .order_by(day, ReplicaInterval.model)
-    )
+    """One row per (day, model); an interval counts on the day it starts (rows span one flush period). The
+    GPU cost is exact (Decimal dollars) at the gpu_hour each interval was charged (billing/charged_prices.py)."""
+    ri = ReplicaInterval
+    day = day_of(ri.start).label("day")
+    price = interval_gpu_hour()
+    q = (select(day, ri.model, price, func.coalesce(func.sum(ri.busy_s + ri.idle_s), 0), func.coalesce(func.sum(ri.busy_s), 0))
+         .select_from(ri).group_by(day, ri.model, price))
+    replicas = select(day, ri.model, func.count(func.distinct(ri.replica))).group_by(day, ri.model)
+    sums: dict[tuple[str, str], list[Decimal]] = {}
     with engine.connect() as conn:
-        rows = conn.execute(_filtered(q, model, since, until)).mappings().all()
-    frame = pd.DataFrame(rows, columns=["day", "model", "replicas", "alive_s", "busy_s", "gpu_hour"])
-    out = pd.DataFrame({"day": frame["day"], "model": frame["model"],
-                        "replicas": frame["replicas"].astype("int64")})
-    out["alive_h"] = frame["alive_s"].astype("float64") / 3600.0
-    out["busy_h"] = frame["busy_s"].astype("float64") / 3600.0
-    out["idle_h"] = out["alive_h"] - out["busy_h"]
-    out["idle_rate"] = (out["idle_h"] / out["alive_h"]).where(out["alive_h"] > 0, 0.0)
-    out["gpu_cost_usd"] = out["alive_h"] * frame["gpu_hour"].fillna(0.0).astype("float64")
+        for d, m, per_hour, alive, busy in conn.execute(_filtered(join_list_prices(q, ri.model), model, since, until)):
+            row = sums.setdefault((d, m), [Decimal(0), Decimal(0), Decimal(0)])
+            row[0] += alive
+            row[1] += busy
+            row[2] += alive * per_hour / HOUR
+        counts = {(d, m): n for d, m, n in conn.execute(_filtered(replicas, model, since, until))}
+    rows = []
+    for (d, m), (alive, busy, cost) in sorted(sums.items()):
+        rows.append({"day": d, "model": m, "replicas": int(counts.get((d, m), 0)), "alive_h": float(alive / HOUR),
+                     "busy_h": float(busy / HOUR), "idle_h": float((alive - busy) / HOUR),
+                     "idle_rate": float((alive - busy) / alive) if alive > 0 else 0.0, "gpu_cost_usd": dollars(cost)})
+    out = pd.DataFrame(rows, columns=COLUMNS)
+    out["replicas"] = out["replicas"].astype("int64")
+    for c in ("alive_h", "busy_h", "idle_h", "idle_rate"):
+        out[c] = out[c].astype("float64")
+    out["gpu_cost_usd"] = out["gpu_cost_usd"].astype("object")
     return out[COLUMNS]
 
 
 TENANT_COLUMNS = ["day", "model", "tenant", "busy_h", "idle_h", "gpu_h", "share", "gpu_cost_usd"]
 NO_TENANT = "(idle, no tenant)"
+HOUR = Decimal(3600)
 
 
 def gpu_usage_by_tenant(engine: Engine, *, model: str | None = None, since: datetime | None = None,
                         until: datetime | None = None) -> pd.DataFrame:
     """One row per (day, model, tenant): the tenant's busy and idle replica hours (billing/gpu_shares.py),
-    its share of the model's replica time that day and its cost at the model's gpu_hour price."""
-    day = day_of(ReplicaInterval.start).label("day")
+    its share of the model's replica time that day and its exact cost (Decimal dollars) at the gpu_hour each
+    interval was charged."""
+    ri = ReplicaInterval
+    day = day_of(ri.start).label("day")
+    price = interval_gpu_hour()
     q = (
-        select(day, ReplicaInterval.model.label("model"), Tenant.name.label("tenant"),
-               func.sum(GpuShare.busy_s).label("busy_s"), func.sum(GpuShare.idle_s).label("idle_s"),
-               func.max(ModelDeployment.gpu_hour).label("gpu_hour"))
+        select(day, ri.model, Tenant.name, price, func.sum(GpuShare.busy_s), func.sum(GpuShare.idle_s))
         .select_from(GpuShare)
-        .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
+        .join(ri, ri.id == GpuShare.interval_id)
         .outerjoin(Tenant, Tenant.uid == GpuShare.tenant_uid)
-        .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
-        .group_by(day, ReplicaInterval.model, Tenant.name)
-        .order_by(day, ReplicaInterval.model, Tenant.name)
+        .group_by(day, ri.model, Tenant.name, price)
     )
+    sums: dict[tuple[str, str, str], list[Decimal]] = {}
     with engine.connect() as conn:
-        rows = conn.execute(_filtered(q, model, since, until)).mappings().all()
-    out = pd.DataFrame([{
-        "day": r["day"], "model": r["model"], "tenant": r["tenant"] or NO_TENANT,
-        "busy_h": float(r["busy_s"] / 3600), "idle_h": float(r["idle_s"] / 3600),
-        "gpu_h": float((r["busy_s"] + r["idle_s"]) / 3600),
-        "gpu_cost_usd": float((r["busy_s"] + r["idle_s"]) * (r["gpu_hour"] or 0) / 3600)} for r in rows],
-        columns=[c for c in TENANT_COLUMNS if c != "share"])
+        for d, m, tenant, per_hour, busy, idle in conn.execute(_filtered(join_list_prices(q, ri.model), model, since,
+                                                                         until)):
+            row = sums.setdefault((d, m, tenant or NO_TENANT), [Decimal(0), Decimal(0), Decimal(0)])
+            row[0] += busy or 0
+            row[1] += idle or 0
+            row[2] += ((busy or 0) + (idle or 0)) * per_hour / HOUR
+    out = pd.DataFrame([{"day": d, "model": m, "tenant": t, "busy_h": float(b / HOUR), "idle_h": float(i / HOUR),
+                         "gpu_h": float((b + i) / HOUR), "gpu_cost_usd": dollars(c)}
+                        for (d, m, t), (b, i, c) in sorted(sums.items())],
+                       columns=[c for c in TENANT_COLUMNS if c != "share"])
+    for c in ("busy_h", "idle_h", "gpu_h"):
+        out[c] = out[c].astype("float64")
+    out["gpu_cost_usd"] = out["gpu_cost_usd"].astype("object")
     totals = out.groupby(["day", "model"])["gpu_h"].transform("sum")
     out["share"] = (out["gpu_h"] / totals).where(totals > 0, 0.0)
     return out[TENANT_COLUMNS]
@@ -94,7 +104,7 @@ class TenantGpuTime:
     tenant: str  # NO_TENANT: idle time of intervals without any work
     busy_s: Decimal
     idle_s: Decimal
-    cost_usd: Decimal  # (busy + idle) × each model's gpu_hour
+    cost_usd: Decimal  # (busy + idle) × the gpu_hour each interval was charged
 
     @property
     def total_s(self) -> Decimal:
@@ -105,15 +115,13 @@ def gpu_seconds_per_tenant(engine: Engine, *, model: str | None = None, tenant: 
                            since: datetime | None = None, until: datetime | None = None) -> list[TenantGpuTime]:
     """Each tenant's busy and idle replica seconds (billing/gpu_shares.py), exact to the microsecond, over
     the intervals that start in [since, until); most time first. One GROUP BY (tenant, model)."""
-    price = func.max(ModelDeployment.gpu_hour)
-    q = (
+    price = interval_gpu_hour()
+    q = join_list_prices(
         select(Tenant.name, ReplicaInterval.model, func.sum(GpuShare.busy_s), func.sum(GpuShare.idle_s), price)
         .select_from(GpuShare)
         .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
         .outerjoin(Tenant, Tenant.uid == GpuShare.tenant_uid)
-        .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
-        .group_by(Tenant.name, ReplicaInterval.model)
-    )
+        .group_by(Tenant.name, ReplicaInterval.model, price), ReplicaInterval.model)
     if tenant is not None:
         q = q.where(Tenant.name == text_field("tenant", tenant))
     with engine.connect() as conn:

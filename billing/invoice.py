@@ -4,7 +4,9 @@ Kinds: input tokens (computed), cached_input (prompt tokens read from the KV pre
 `cached_input_per_1m` price, else its input price), output tokens, cache_hit (requests answered from the
 semantic cache, at the cache price, 0 by default, with what they saved at list price) and gpu_time (the
 tenant's share of the model's replica time, busy and idle, billing/gpu_shares.py, where the model prices
-`gpu_hour`). Prices are the models' current list prices (ModelDeployment).
+`gpu_hour`). Each line is priced as its usage was charged (billing/charged_prices.py): the prices stored with
+each usage event and replica interval, so a later price change never alters a past invoice; a month in which
+a price changed has one line per kind and price.
 
 Rounding rule (ROUNDING_RULE): the exact Decimal total of all lines is rounded half-up to cents; each
 line gets its exact amount's whole cents, and the cents left go to the lines with the largest remainders.
@@ -22,7 +24,9 @@ from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from sqlalchemy import Engine, func, select
 
 from billing.field_checks import text_field
-from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from billing.charged_prices import (event_cached_input_price, event_input_price, event_output_price,
+                                    interval_gpu_hour, join_list_prices)
+from billing.models import GpuShare, ReplicaInterval, Tenant, UsageEvent
 from billing.money import dollars
 from billing.report_query import Db, connect_engine, within
 
@@ -95,28 +99,39 @@ def build_invoice(db: Db, tenant: str, month: str, cache_price_per_1m: Decimal =
         tenant_id, tenant_uid = _tenant(engine, tenant)
         usage = _usage(engine, tenant_id, start, end)
         gpu = _gpu_seconds(engine, tenant_uid, start, end)
-        prices = _prices(engine, sorted({row[0].partition(":")[0] for row in usage} | set(gpu)))
-    exact: list[tuple[InvoiceLine, Decimal, Decimal]] = []  # (line, exact amount, exact savings)
+    # (model, kind, unit price) -> [tokens, exact amount, exact savings, GPU seconds]
+    sums: dict[tuple[str, str, Decimal], list] = {}
+
+    def add(model: str, kind: str, price: Decimal, tokens: int, amount: Decimal, saved: Decimal = Decimal(0),
+            seconds: Decimal = Decimal(0)) -> None:
+        line = sums.setdefault((model, kind, price), [0, Decimal(0), Decimal(0), Decimal(0)])
+        line[0] += tokens
+        line[1] += amount
+        line[2] += saved
+        line[3] += seconds
+
     requests = 0
-    for model, hit, n, prompt, completion, cached in sorted(usage, key=lambda r: (r[0], bool(r[1]))):
-        requests += n
-        price = prices.get(model, _NO_PRICE)
-        if hit:
-            if prompt + completion:
-                listed = (prompt * price.input + completion * price.output) / _MILLION
-                charged = (prompt + completion) * cache_price_per_1m / _MILLION
-                exact.append((InvoiceLine(model, "cache_hit", prompt + completion, cache_price_per_1m, 0),
-                              charged, listed - charged))
+    for u in usage:
+        requests += u.requests
+        if u.cache_hit:
+            if u.prompt + u.completion:
+                listed = (u.prompt * u.input + u.completion * u.output) / _MILLION
+                charged = (u.prompt + u.completion) * cache_price_per_1m / _MILLION
+                add(u.model, "cache_hit", cache_price_per_1m, u.prompt + u.completion, charged, listed - charged)
             continue
-        for kind, tokens, per_1m in (("input", prompt - cached, price.input), ("cached_input", cached, price.cached),
-                                     ("output", completion, price.output)):
+        for kind, tokens, per_1m in (("input", u.prompt - u.cached, u.input), ("cached_input", u.cached, u.cached_input),
+                                     ("output", u.completion, u.output)):
             if tokens:
-                exact.append((InvoiceLine(model, kind, tokens, per_1m, 0), tokens * per_1m / _MILLION, Decimal(0)))
-    for model, seconds in sorted(gpu.items()):
-        per_hour = prices.get(model, _NO_PRICE).gpu_hour
+                add(u.model, kind, per_1m, tokens, tokens * per_1m / _MILLION)
+    for model, per_hour, seconds in gpu:
         if seconds and per_hour:
-            exact.append((InvoiceLine(model, "gpu_time", 0, per_hour, 0, gpu_seconds=seconds),
-                          seconds * per_hour / 3600, Decimal(0)))
+            add(model, "gpu_time", per_hour, 0, seconds * per_hour / 3600, seconds=seconds)
+    # token lines per model (input, cached input, output, cache hits), then GPU lines; a changed price: a line each
+    order = {kind: i for i, kind in enumerate(("input", "cached_input", "output", "cache_hit", "gpu_time"))}
+    keys = sorted(sums, key=lambda k: (k[1] == "gpu_time", k[0], order[k[1]], k[2]))
+    exact = [(InvoiceLine(model, kind, sums[(model, kind, price)][0], price, 0,
+                          gpu_seconds=sums[(model, kind, price)][3]), sums[(model, kind, price)][1],
+              sums[(model, kind, price)][2]) for model, kind, price in keys]
     amounts = allocate_cents([a for _, a, _ in exact])
     savings = allocate_cents([s for _, _, s in exact])
     lines = tuple(replace(line, amount_cents=a, savings_cents=s, exact_usd=dollars(x), exact_savings_usd=dollars(y))
@@ -144,61 +159,46 @@ def _tenant(engine: Engine, name: str) -> tuple[int, str]:
     return int(row.id), row.uid
 
 
-def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[tuple[str, bool, int, int, int, int]]:
-    """(model, cache hit, requests, prompt, completion, cached prompt tokens) per model and cache hit; a LoRA
+@dataclass(frozen=True)
+class _Usage:
+    """One model's usage at one set of charged prices, cache hits apart."""
+
+    model: str
+    cache_hit: bool
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+    requests: int
+    prompt: int
+    completion: int
+    cached: int
+
+
+def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[_Usage]:
+    """Tokens per model, cache hit and the prices they were charged at (billing/charged_prices.py); a LoRA
     adapter's requests are a model of their own, `model:adapter`."""
     ev = UsageEvent
-    q = (select(ev.model, ev.adapter, ev.cache_hit, func.count(), func.coalesce(func.sum(ev.prompt_tokens), 0),
-                func.coalesce(func.sum(ev.completion_tokens), 0), func.coalesce(func.sum(ev.cached_tokens), 0))
+    prices = (event_input_price(), event_cached_input_price(), event_output_price())
+    q = (select(ev.model, ev.adapter, ev.cache_hit, *prices, func.count(),
+                func.coalesce(func.sum(ev.prompt_tokens), 0), func.coalesce(func.sum(ev.completion_tokens), 0),
+                func.coalesce(func.sum(ev.cached_tokens), 0))
+         .select_from(ev)
          .where(ev.tenant_id == tenant_id)
-         .group_by(ev.model, ev.adapter, ev.cache_hit))
-    q = within(q, ev.created_at, start, end)
+         .group_by(ev.model, ev.adapter, ev.cache_hit, *prices))
+    q = within(join_list_prices(q, ev.model), ev.created_at, start, end)
     with engine.connect() as conn:
-        return [(m if a is None else f"{m}:{a}", bool(h), int(n), int(p), int(c), min(int(k), int(p)))
-                for m, a, h, n, p, c, k in conn.execute(q)]
+        return [_Usage(m if a is None else f"{m}:{a}", bool(h), i, c, o, int(n), int(p), int(k), min(int(x), int(p)))
+                for m, a, h, i, c, o, n, p, k, x in conn.execute(q)]
 
 
-def _gpu_seconds(engine: Engine, tenant_uid: str, start: date, end: date) -> dict[str, Decimal]:
-    """The tenant's replica seconds (busy and idle) per model, by the interval's start."""
-    q = (select(ReplicaInterval.model, func.sum(GpuShare.busy_s + GpuShare.idle_s))
+def _gpu_seconds(engine: Engine, tenant_uid: str, start: date, end: date) -> list[tuple[str, Decimal, Decimal]]:
+    """(model, gpu_hour charged, the tenant's replica seconds, busy and idle), by the interval's start."""
+    price = interval_gpu_hour()
+    q = (select(ReplicaInterval.model, price, func.sum(GpuShare.busy_s + GpuShare.idle_s))
+         .select_from(GpuShare)
          .join(ReplicaInterval, ReplicaInterval.id == GpuShare.interval_id)
          .where(GpuShare.tenant_uid == tenant_uid)
-         .group_by(ReplicaInterval.model))
-    q = within(q, ReplicaInterval.start, start, end)
+         .group_by(ReplicaInterval.model, price))
+    q = within(join_list_prices(q, ReplicaInterval.model), ReplicaInterval.start, start, end)
     with engine.connect() as conn:
-        return {model: seconds for model, seconds in conn.execute(q) if seconds}
-
-
-@dataclass(frozen=True)
-class _Price:
-    input: Decimal
-    cached: Decimal
-    output: Decimal
-    gpu_hour: Decimal
-
-
-_NO_PRICE = _Price(Decimal(0), Decimal(0), Decimal(0), Decimal(0))
-
-
-def _prices(engine: Engine, models: list[str]) -> dict[str, _Price]:
-    if not models:
-        return {}
-    d = ModelDeployment
-    q = select(d.name, d.input_per_1m, d.cached_input_per_1m, d.output_per_1m, d.gpu_hour, d.spec
-               ).where(d.name.in_(models))
-    out: dict[str, _Price] = {}
-    with engine.connect() as conn:
-        for name, i, c, o, g, spec in conn.execute(q):
-            out[name] = base = _Price(i, i if c is None else c, o, g)
-            for adapter in (spec or {}).get("adapters") or []:  # an adapter's own prices, else its model's
-                out[f"{name}:{adapter['name']}"] = _adapter_price(adapter.get("pricing"), base)
-    return out
-
-
-def _adapter_price(pricing: dict | None, base: _Price) -> _Price:
-    if not pricing:
-        return base
-    i = dollars(pricing.get("input_per_1m", 0))
-    c = pricing.get("cached_input_per_1m")
-    return _Price(i, i if c is None else dollars(c), dollars(pricing.get("output_per_1m", 0)),
-                  dollars(pricing.get("gpu_hour", 0)))
+        return [(model, per_hour, seconds) for model, per_hour, seconds in conn.execute(q) if seconds]

@@ -39,6 +39,8 @@ from billing.scoped_budgets import matching
 log = logging.getLogger("tollgate.ledger")
 
 _EVENT_COLUMNS = [c.name for c in UsageEvent.__table__.columns if c.name != "id"]
+# columns an event may lack (interrupted events, segments spilled before they existed): one shape for every row
+_OPTIONAL = {"input_per_1m": None, "cached_input_per_1m": None, "output_per_1m": None}
 
 Row = dict[str, Any]
 Queued = tuple[int, Row]  # (this process's sequence number, row)
@@ -412,7 +414,7 @@ class Ledger:
         return True
 
     def _write(self, batch: list[Row]) -> None:
-        unique = list({row["request_id"]: row for row in batch}.values())
+        unique = list({row["request_id"]: {**_OPTIONAL, **row} for row in batch}.values())
         insert = dialect_insert(self._engine, UsageEvent)
         # a request already stored is skipped, except one the sweeper recorded as interrupted while it ran on
         # (its gateway missed heartbeats): the real event replaces that placeholder

@@ -121,6 +121,11 @@ class UsageEvent(Base):
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_s: Mapped[float | None] = mapped_column(Float)
     cost_usd: Mapped[Decimal] = mapped_column(Money(), default=0)
+    # the list prices (per 1M tokens) the request was charged at, kept with it so that invoices and reports never
+    # re-price past usage when a spec's prices change (billing/charged_prices.py); None only on rows that predate them
+    input_per_1m: Mapped[Decimal | None] = mapped_column(Money())
+    cached_input_per_1m: Mapped[Decimal | None] = mapped_column(Money())
+    output_per_1m: Mapped[Decimal | None] = mapped_column(Money())
     error: Mapped[str | None] = mapped_column(Text)
 
 
@@ -135,6 +140,8 @@ class ReplicaInterval(Base):
     # exact microseconds: busy_s + idle_s is the row's span, and its GpuShare rows add up to each
     busy_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
     idle_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
+    # the model's gpu_hour price when the row was written (see UsageEvent.input_per_1m)
+    gpu_hour: Mapped[Decimal | None] = mapped_column(Money())
 
 
 class GpuShare(Base):

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine, insert, select
 
 from billing.gpu_shares import split_interval
-from billing.models import GpuShare, ReplicaInterval
+from billing.models import GpuShare, ModelDeployment, ReplicaInterval
 
 log = logging.getLogger("tollgate.replica_intervals")
 
@@ -70,8 +70,10 @@ class IntervalRecorder:
                    "end": _at(self._last_us + span), "busy_s": _seconds(busy), "idle_s": _seconds(span - busy)}
             try:
                 with self._db.begin() as conn:
-                    interval_id = conn.execute(insert(ReplicaInterval).values(**row).returning(ReplicaInterval.id)
-                                               ).scalar_one()
+                    # priced at the model's gpu_hour now, kept with the row (billing/charged_prices.py)
+                    gpu_hour = select(ModelDeployment.gpu_hour).where(ModelDeployment.name == self._model)
+                    interval_id = conn.execute(insert(ReplicaInterval).values(**row, gpu_hour=gpu_hour.scalar_subquery())
+                                               .returning(ReplicaInterval.id)).scalar_one()
                     if shares:
                         conn.execute(insert(GpuShare), [
                             {"interval_id": interval_id, "tenant_uid": tenant, "busy_s": _seconds(b),

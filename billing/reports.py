@@ -1,5 +1,7 @@
 """Cost reports as pandas DataFrames. Every query aggregates in the database (GROUP BY) and returns
-one row per group; prices come from ModelDeployment (list prices per 1M tokens, `gpu_hour`).
+one row per group; usage is priced as it was charged (billing/charged_prices.py: the prices stored with each
+event and replica interval), so a price change never alters a past report. Money columns (`*_usd`) hold
+exact Decimal dollars (object dtype), never floats.
 
 Each function takes a database URL or an Engine and an optional [since, until) window (dates are
 midnight UTC). Requests count on the UTC day they were recorded, replica intervals on the day they start.
@@ -7,11 +9,17 @@ midnight UTC). Requests count on the UTC day they were recorded, replica interva
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pandas as pd
-from sqlalchemy import Engine, case, func, select
+from sqlalchemy import case, func, select
+
+from billing.charged_prices import (event_cached_input_price, event_input_price, event_output_price,
+                                    interval_gpu_hour, join_list_prices)
 
 from billing.gpu_usage import gpu_usage_by_tenant
-from billing.models import ModelDeployment, ReplicaInterval, Tenant, UsageEvent
+from billing.models import ReplicaInterval, Tenant, UsageEvent
+from billing.money import dollars
 from billing.report_query import Db, When, as_datetime, connect_engine, day_of, within
 
 USAGE_COLUMNS = ["day", "tenant", "model", "requests_ok", "requests_failed", "requests_cancelled",
@@ -31,37 +39,27 @@ def _sum_if(condition, column) -> object:  # type: ignore[no-untyped-def]
     return func.coalesce(func.sum(case((condition, column), else_=0)), 0)
 
 
-_PRICE_COLUMNS = ["input_per_1m", "cached_input_per_1m", "output_per_1m", "gpu_hour"]
+MILLION = Decimal(1_000_000)
+HOUR = Decimal(3600)
 
 
-def _prices(engine: Engine) -> pd.DataFrame:
-    d = ModelDeployment
-    q = select(d.name.label("model"), d.input_per_1m, func.coalesce(d.cached_input_per_1m, d.input_per_1m)
-               .label("cached_input_per_1m"), d.output_per_1m, d.gpu_hour)
-    with engine.connect() as conn:
-        rows = conn.execute(q).mappings().all()
-    return pd.DataFrame(rows, columns=["model", *_PRICE_COLUMNS])
-
-
-def _with_prices(frame: pd.DataFrame, engine: Engine) -> pd.DataFrame:
-    """Prices as float64 columns: report frames are for reading and charts; invoices (billing/invoice.py)
-    are the exact account."""
-    out = frame.merge(_prices(engine), on="model", how="left")
-    for c in _PRICE_COLUMNS:
-        out[c] = out[c].fillna(0).astype("float64")
-    return out
+def _money(frame: pd.DataFrame, column: str, values: object) -> None:
+    """A money column of exact Decimal dollars (object dtype), never float64."""
+    frame[column] = pd.Series(values, index=frame.index, dtype="object")
 
 
 def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) -> pd.DataFrame:
-    """Per tenant × day × model: requests by status, tokens, cache hits, list-price revenue (tokens of
-    requests not answered from the cache × the model's list prices) and the dollars the cache saved
-    (cache-hit requests' tokens × the same list prices)."""
+    """Per tenant × day × model: requests by status, tokens, cache hits, revenue (tokens of requests not
+    answered from the cache at the prices they were charged, billing/charged_prices.py) and the dollars the
+    cache saved (cache-hit requests' tokens at the same prices). Money columns hold exact Decimals."""
     ev = UsageEvent
     hit = ev.cache_hit.is_(True)
     miss = ev.cache_hit.is_(False)
     day = day_of(ev.created_at).label("day")
+    prices = (event_input_price().label("p_in"), event_cached_input_price().label("p_cached"),
+              event_output_price().label("p_out"))
     q = (
-        select(day, Tenant.name.label("tenant"), ev.model.label("model"),
+        select(day, Tenant.name.label("tenant"), ev.model.label("model"), *prices,
                _count_if(ev.status == "ok").label("requests_ok"),
                _count_if(ev.status == "failed").label("requests_failed"),
                _count_if(ev.status == "cancelled").label("requests_cancelled"),
@@ -76,48 +74,65 @@ def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) ->
                _sum_if(hit, ev.completion_tokens).label("hit_output"))
         .select_from(ev)
         .outerjoin(Tenant, Tenant.id == ev.tenant_id)
-        .group_by(day, Tenant.name, ev.model)
+        .group_by(day, Tenant.name, ev.model, *prices)
     )
-    q = within(q, ev.created_at, since, until)
+    q = within(join_list_prices(q, ev.model), ev.created_at, since, until)
+    counts = USAGE_COLUMNS[3:10]  # requests by status, tokens, cache hits
+    groups: dict[tuple, dict] = {}
     with connect_engine(db) as engine:
         with engine.connect() as conn:
-            rows = conn.execute(q).mappings().all()
-        frame = pd.DataFrame(rows, columns=[c.name for c in q.selected_columns])
-        ints = [c for c in frame.columns if c not in ("day", "tenant", "model")]
-        frame[ints] = frame[ints].astype("int64")
-        frame = _with_prices(frame, engine)
-    per_1m = 1_000_000.0
-    frame["revenue_usd"] = ((frame["billed_input"] - frame["billed_cached"]) * frame["input_per_1m"]
-                            + frame["billed_cached"] * frame["cached_input_per_1m"]
-                            + frame["billed_output"] * frame["output_per_1m"]) / per_1m
-    frame["cache_savings_usd"] = (frame["hit_input"] * frame["input_per_1m"]
-                                  + frame["hit_output"] * frame["output_per_1m"]) / per_1m
+            for r in conn.execute(q).mappings():
+                g = groups.setdefault((r["day"], r["tenant"], r["model"]), {
+                    **{c: 0 for c in counts}, "revenue_usd": Decimal(0), "cache_savings_usd": Decimal(0)})
+                for c in counts:
+                    g[c] += int(r[c])
+                billed_cached = min(int(r["billed_cached"]), int(r["billed_input"]))
+                g["revenue_usd"] += ((int(r["billed_input"]) - billed_cached) * r["p_in"]
+                                     + billed_cached * r["p_cached"] + int(r["billed_output"]) * r["p_out"]) / MILLION
+                g["cache_savings_usd"] += (int(r["hit_input"]) * r["p_in"] + int(r["hit_output"]) * r["p_out"]) / MILLION
+    rows = [{"day": d, "tenant": t, "model": m, **{k: dollars(v) if k.endswith("_usd") else v for k, v in g.items()}}
+            for (d, t, m), g in groups.items()]
+    frame = pd.DataFrame(rows, columns=USAGE_COLUMNS)
+    for c in counts:
+        frame[c] = frame[c].astype("int64")
+    for c in ("revenue_usd", "cache_savings_usd"):
+        _money(frame, c, frame[c])
     return _sorted(frame[USAGE_COLUMNS], _KEYS)
 
 
 def gpu_by_model(db: Db, since: When = None, until: When = None) -> pd.DataFrame:
-    """Per model: replica hours alive and busy, the idle rate (idle / alive) and the GPU cost
-    (alive hours × the model's `gpu_hour`: an idle replica costs as much as a busy one)."""
+    """Per model: replica hours alive and busy, the idle rate (idle / alive) and the GPU cost (alive
+    hours × the gpu_hour each interval was charged at: an idle replica costs as much as a busy one);
+    gpu_hour_usd is what an hour was charged over the window (the price then, or the average of the prices
+    in force where it changed)."""
     ri = ReplicaInterval
+    price = interval_gpu_hour()
     q = (
-        select(ri.model.label("model"), func.count(func.distinct(ri.replica)).label("replicas"),
-               func.coalesce(func.sum(ri.busy_s + ri.idle_s), 0.0).label("alive_s"),
-               func.coalesce(func.sum(ri.busy_s), 0.0).label("busy_s"))
-        .group_by(ri.model)
+        select(ri.model, price, func.sum(ri.busy_s + ri.idle_s), func.sum(ri.busy_s))
+        .select_from(ri)
+        .group_by(ri.model, price)
     )
-    q = within(q, ri.start, since, until)
+    q = within(join_list_prices(q, ri.model), ri.start, since, until)
+    replicas = within(select(ri.model, func.count(func.distinct(ri.replica))).group_by(ri.model), ri.start, since, until)
+    per_model: dict[str, list] = {}
     with connect_engine(db) as engine:
         with engine.connect() as conn:
-            rows = conn.execute(q).mappings().all()
-        frame = pd.DataFrame(rows, columns=["model", "replicas", "alive_s", "busy_s"])
-        frame = _with_prices(frame, engine)
+            for model, per_hour, alive_s, busy_s in conn.execute(q):
+                m = per_model.setdefault(model, [Decimal(0), Decimal(0), Decimal(0)])
+                m[0] += alive_s or 0
+                m[1] += busy_s or 0
+                m[2] += (alive_s or 0) * per_hour / HOUR
+            counts = dict(conn.execute(replicas).all())
+    rows = [{"model": model, "replicas": int(counts.get(model, 0)), "alive_h": float(alive / HOUR),
+             "busy_h": float(busy / HOUR), "idle_rate": float((alive - busy) / alive) if alive > 0 else 0.0,
+             "gpu_hour_usd": dollars(cost * HOUR / alive) if alive > 0 else Decimal(0), "gpu_cost_usd": dollars(cost)}
+            for model, (alive, busy, cost) in per_model.items()]
+    frame = pd.DataFrame(rows, columns=GPU_COLUMNS)
     frame["replicas"] = frame["replicas"].astype("int64")
-    frame["alive_h"] = frame["alive_s"].astype("float64") / 3600.0
-    frame["busy_h"] = frame["busy_s"].astype("float64") / 3600.0
-    alive = frame["alive_h"]
-    frame["idle_rate"] = ((alive - frame["busy_h"]) / alive.where(alive > 0)).fillna(0.0)
-    frame["gpu_hour_usd"] = frame["gpu_hour"]
-    frame["gpu_cost_usd"] = alive * frame["gpu_hour"]
+    for c in ("alive_h", "busy_h", "idle_rate"):
+        frame[c] = frame[c].astype("float64")
+    for c in ("gpu_hour_usd", "gpu_cost_usd"):
+        _money(frame, c, frame[c])
     return _sorted(frame[GPU_COLUMNS], ["model"])
 
 
@@ -135,10 +150,15 @@ def margin_by_tenant(db: Db, since: When = None, until: When = None) -> pd.DataF
     with connect_engine(db) as engine:
         usage = usage_by_tenant_day_model(engine, since, until)
         gpu = gpu_cost_by_tenant(engine, since, until)
-    revenue = usage.groupby("tenant", dropna=False)["revenue_usd"].sum()
-    cost = gpu.groupby("tenant", dropna=False)["gpu_cost_usd"].sum()
-    frame = pd.concat([revenue, cost], axis=1).fillna(0.0).reset_index().rename(columns={"index": "tenant"})
-    frame["margin_usd"] = frame["revenue_usd"] - frame["gpu_cost_usd"]
+    totals: dict[str | None, list[Decimal]] = {}
+    for tenant, revenue in zip(usage["tenant"], usage["revenue_usd"]):
+        totals.setdefault(None if pd.isna(tenant) else tenant, [Decimal(0), Decimal(0)])[0] += revenue
+    for tenant, cost in zip(gpu["tenant"], gpu["gpu_cost_usd"]):
+        totals.setdefault(None if pd.isna(tenant) else tenant, [Decimal(0), Decimal(0)])[1] += cost
+    frame = pd.DataFrame([{"tenant": t, "revenue_usd": r, "gpu_cost_usd": c, "margin_usd": r - c}
+                          for t, (r, c) in totals.items()], columns=MARGIN_COLUMNS)
+    for c in MARGIN_COLUMNS[1:]:
+        _money(frame, c, frame[c])
     return _sorted(frame[MARGIN_COLUMNS], ["tenant"])
 
 
@@ -148,8 +168,8 @@ def cost_report(db: Db, since: When = None, until: When = None) -> pd.DataFrame:
         usage = usage_by_tenant_day_model(engine, since, until)
         gpu = gpu_cost_by_tenant(engine, since, until)
     frame = usage.merge(gpu[["day", "model", "tenant", "gpu_cost_usd"]], on=_KEYS, how="left")
-    frame["gpu_cost_usd"] = frame["gpu_cost_usd"].fillna(0.0)
-    frame["margin_usd"] = frame["revenue_usd"] - frame["gpu_cost_usd"]
+    _money(frame, "gpu_cost_usd", [Decimal(0) if pd.isna(c) else c for c in frame["gpu_cost_usd"]])
+    _money(frame, "margin_usd", [r - c for r, c in zip(frame["revenue_usd"], frame["gpu_cost_usd"])])
     return frame
 
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, bindparam, delete, select
@@ -215,6 +216,36 @@ class CounterChanges:
     tokens: defaultdict[WindowKey, int] = field(default_factory=lambda: defaultdict(int))
 
 
+def shrink(db: Engine, request_id: str, cost_usd: Decimal, tokens: int) -> bool:
+    """A finished request's hold shrinks to what it used (its exact cost and tokens, never more than it held)
+    at once, before its response completes: the next request admitted sees the finished one at its real cost,
+    not at its worst case until the ledger writes its event. The ledger then settles the shrunk hold as usual.
+    The row is taken and put back (a write first, so a SQLite transaction never upgrades from a read) in the
+    one lock order: the reservation, then counters. False when the request holds nothing (no budget or tpm,
+    or already settled)."""
+    with db.begin() as conn:
+        rows = _take_rows(conn, [request_id])
+        if not rows:
+            return False
+        row = rows[0]
+        kept = {name: None if held is None else min(held, cost_usd)
+                for name, held in (("tenant_usd", row.tenant_usd), ("key_usd", row.key_usd),
+                                   ("scoped_usd", row.scoped_usd))}
+        kept_tokens = None if row.tokens is None else min(row.tokens, max(tokens, 0))
+        changes = CounterChanges()
+        _add_releases(rows, changes)  # all of the old hold goes ...
+        used = SimpleNamespace(tenant_id=row.tenant_id, api_key_id=row.api_key_id, period=row.period,
+                               scoped_holds=row.scoped_holds, minute=row.minute, tokens=kept_tokens, **kept)
+        _add_releases([used], changes, sign=+1)  # ... and what was used comes back
+        conn.execute(_sql(db).hold, {
+            "request_id": row.request_id, "owner": row.owner, "tenant_id": row.tenant_id,
+            "api_key_id": row.api_key_id, "period": row.period, **kept, "scoped_holds": row.scoped_holds,
+            "minute": row.minute, "tokens": kept_tokens, "model": row.model, "endpoint": row.endpoint,
+            "created_at": row.created_at})
+        apply_in(conn, db, changes)
+    return True
+
+
 def release(db: Engine, request_ids: list[str]) -> int:
     """Give back reservations whose requests were refused after admission (no usage event follows)."""
     with db.begin() as conn:
@@ -235,20 +266,21 @@ def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
         return []
     r = Reservation.__table__.c
     return list(conn.execute(delete(Reservation).where(r.request_id.in_(request_ids)).returning(
-        r.request_id, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.scoped_usd, r.scoped_holds,
+        r.request_id, r.owner, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.scoped_usd, r.scoped_holds,
         r.minute, r.tokens, r.model, r.endpoint, r.created_at)))
 
 
-def _add_releases(rows: list[Any], changes: CounterChanges) -> None:
+def _add_releases(rows: list[Any], changes: CounterChanges, sign: int = -1) -> None:
+    """Each row's holds taken off the counters (sign=+1: put on)."""
     for row in rows:
         if row.tenant_usd is not None:
-            changes.reserved[("tenant", row.tenant_id, row.period)] -= row.tenant_usd
+            changes.reserved[("tenant", row.tenant_id, row.period)] += sign * row.tenant_usd
         if row.key_usd is not None:
-            changes.reserved[("key", row.api_key_id, row.period)] -= row.key_usd
+            changes.reserved[("key", row.api_key_id, row.period)] += sign * row.key_usd
         for scope, scope_id in row.scoped_holds or ():
-            changes.reserved[(scope, scope_id, row.period)] -= row.scoped_usd
+            changes.reserved[(scope, scope_id, row.period)] += sign * row.scoped_usd
         if row.tokens is not None:
-            changes.tokens[(row.api_key_id, row.minute)] -= row.tokens
+            changes.tokens[(row.api_key_id, row.minute)] += sign * row.tokens
 
 
 def apply_in(conn: Connection, db: Engine, changes: CounterChanges) -> None:

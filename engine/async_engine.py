@@ -78,6 +78,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.facts.max_model_len
 
+    @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for (longest_token_chars())."""
+        return self._longest_token
+
     def encode_prompt(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
         return encode_prompt(self.core.facts.tokenizer, self.core.facts.vocab_size, prompt)
 

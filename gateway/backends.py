@@ -70,6 +70,9 @@ class BackendInfo:
     replica_states: dict[str, int] | None = None  # e.g. {"running": 2, "starting": 1}
     reason: str | None = None  # why the model is unavailable
     kind: ModelKind = "chat"  # which endpoints it serves (gateway/specs.py)
+    # the most characters one of the model's tokens stands for (None: unknown until a replica reports it): a prompt
+    # of max_model_len × this many characters or more cannot fit, which the gateway checks before tokenizing
+    longest_token_chars: int | None = None
 
     @property
     def serving(self) -> bool:
@@ -130,7 +133,9 @@ class LocalEngineBackend:
         max_len = self._engine.max_model_len if self._engine is not None else self._fields.get("max_model_len")
         ready = self._state == "ready"
         states = {"running": 1} if ready else {"starting": 1} if self._state == "loading" else {}
-        return BackendInfo(self.spec.name, max_len, self._state, 1 if ready else 0, states, self._reason)
+        longest = self._engine.longest_token_chars if self._engine is not None else None
+        return BackendInfo(self.spec.name, max_len, self._state, 1 if ready else 0, states, self._reason,
+                           longest_token_chars=longest)
 
     def stats(self) -> dict[str, Any]:
         return self._engine.stats() if self._engine is not None else {}

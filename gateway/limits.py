@@ -2,8 +2,9 @@
 enforced before the model is called. Admission reserves the request's worst case in SQL
 (billing/reservations.py): every gateway process sharing the database sees the same counters, and each
 check-and-add is one conditional statement, so concurrent requests can never spend past a budget or a tpm
-limit. The ledger settles each reservation to the exact cost when it writes the request's usage event; a
-refusal after admission releases it."""
+limit. A finished request's reservation shrinks to its exact cost before its response completes (so a request
+sent right after it is admitted against what it really spent), and the ledger settles it when it writes the
+request's usage event; a refusal after admission releases it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -18,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from billing.ledger import Ledger
 from billing.money import ZERO, usd
 from billing.periods import seconds_to_next_minute
-from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve
+from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve, shrink
 from billing.scoped_budgets import SCOPE_WORDS, ScopedLimit, applicable
 from gateway.auth import Principal
 from gateway.errors import APIError, insufficient_quota, rate_limited
@@ -85,6 +87,15 @@ class Limiter:
         if isinstance(result, Refusal):
             raise refusal_error(p, result)
         return _headers(p, result)
+
+    def shrink(self, request_id: str, cost_usd: Decimal, tokens: int) -> None:
+        """The request finished: its hold becomes what it used, so the next admission counts it at its real cost
+        (billing/reservations.py). With the database unreachable the ledger settles it later, as before."""
+        try:
+            shrink(self._engine, request_id, cost_usd, tokens)
+        except OperationalError:
+            warn_once("limits database unreachable; finished requests hold their worst case until the ledger "
+                      "settles them")
 
     def release(self, request_id: str) -> None:
         """The request was refused after admission (no usage event follows): give its reservation back."""

@@ -13,12 +13,14 @@ absolute, so the engine reads the very file that was checked, whatever its worki
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from tollgate import envs
 
 ROOTS_ENV = "TOLLGATE_MODEL_ROOTS"
 SCHEMES = ("pkg:", "random:")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # file://, https://, s3://: not read as a relative path
 
 
 def allowed_roots(spec_dir: Path) -> list[Path]:
@@ -36,6 +38,9 @@ def checked_source(field: str, value: str, spec_dir: Path) -> str:
         return value
     if "\x00" in value:
         raise ValueError(f"{field}: must not contain NUL characters")
+    if _URL.match(value):
+        raise ValueError(f"{field}: {value!r} is a URL; give a path under the allowed model roots, "
+                         "pkg:<python.package> or random:<name>")
     path = Path(os.path.expanduser(value))
     resolved = Path(os.path.realpath(spec_dir / path))  # an absolute `path` replaces spec_dir
     roots = allowed_roots(spec_dir)

@@ -18,6 +18,7 @@ from gateway.backends import GenerationRequest
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
+from gateway.prompt_length import refuse_overlong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from gateway.router import RouteDecision
 from gateway.sampling import check_structured_outputs, to_sampling_params
@@ -104,7 +105,8 @@ async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(p
         model, route = decision.model, decision
     cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages),
-                      prompt_tokens_bound=chat_prompt_bound(messages), model=model, route=route, cache_view=cache_view)
+                      prompt_tokens_bound=chat_prompt_bound(messages), model=model, route=route, cache_view=cache_view,
+                      prompt_length={"chars": sum(len(m["content"]) for m in messages), "field": "messages"})
 
 
 # A bound on a prompt's tokens before it is tokenized: a byte-level or byte-fallback tokenizer makes no more
@@ -135,16 +137,18 @@ async def completions(body: CompletionRequest, p: Principal = Depends(principal)
     if isinstance(prompt, list) and not prompt or prompt == "":
         raise invalid_request("prompt: must not be empty", "prompt")
     fmt = CompletionFormat(body.logprobs is not None)
+    length = {"token_ids": len(prompt)} if isinstance(prompt, list) else {"chars": len(prompt)}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt),
-                      prompt_tokens_bound=completion_prompt_bound(prompt))
+                      prompt_tokens_bound=completion_prompt_bound(prompt), prompt_length={**length, "field": "prompt"})
 
 
 async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | CompletionRequest,
                fmt: ChatFormat | CompletionFormat, make_request: Any, *, prompt_tokens_bound: int,
                model: str | None = None, route: RouteDecision | None = None,
-               cache_view: dict[str, Any] | None = None) -> Response:
+               cache_view: dict[str, Any] | None = None, prompt_length: dict[str, Any] | None = None) -> Response:
     """`model`: the deployed model to call (the router's choice for "auto"); `cache_view`: the request as
-    the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens."""
+    the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens; `prompt_length`:
+    the prompt's length for the cheap refusal of one too long (gateway/prompt_length.py)."""
     model = model or body.model
     headers = {}
     request_id = gw.new_request_id(fmt)
@@ -155,6 +159,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         await check_structured_outputs(params)
         resolved = gw.models.adapters.resolve(model, p.tenant)  # an adapter runs on its model's backend, and size
         backend = gw.backend_for(resolved.base)
+        # too long by its length alone: refused before it is tokenized or anything is reserved
+        refuse_overlong(model, backend.info(), **(prompt_length or {}))
         if gw.needs_admission(p):
             worst = gw.worst_case(resolved, backend, prompt_tokens_bound, params.max_tokens, params.n)
             limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
@@ -164,6 +170,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             if limits is not None:
                 headers.update(limits.headers())
         call = gw.new_call(request_id, p, model, backend, fmt, body.end_user(), body.tags(), resolved)
+        call.reserved = reserved
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 from sqlalchemy import Engine
 
+from billing.charged_prices import stored_prices
 from billing.db import make_engine
 from billing.ledger import Ledger
 from billing.models import UsageEvent
@@ -73,6 +74,8 @@ class Call:
     cache_learning: Lookup | None = None  # a lookup near an entry's threshold: this answer labels that entry
     answer_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None  # of choice 0, kept with a cached answer
+    reserved: bool = False  # admission reserved its worst case (billing/reservations.py)
+    hold_shrunk: bool = False
 
     def absorb(self, chunk: GenerationChunk) -> None:
         self.prompt_tokens = chunk.prompt_tokens
@@ -300,6 +303,7 @@ class Gateway:
                 if chunk.finished:
                     break
                 chunk = await stream.__anext__()
+            await self.shrink_hold(call)  # before the stream ends: a next request sees this one's real cost
             if include_usage:
                 yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             status = "ok"
@@ -318,6 +322,7 @@ class Gateway:
             await stream.aclose()  # type: ignore[attr-defined]
             if status != "ok" and not call.cache_hit:
                 await call.backend.abort(call.request_id)
+            await self.shrink_hold(call)
             self.record(call, status, error)
             if status == "ok" and call.cache_decision is not None and not call.cache_hit:
                 self.reuse.store_later(call.cache_decision, "".join(call.answer_parts), {
@@ -326,6 +331,17 @@ class Gateway:
                     call.cache_learning)
 
     # ---- the ledger -------------------------------------------------------------------------
+
+    async def shrink_hold(self, call: Call) -> None:
+        """The request is done: its reservation becomes its exact cost now, before the response completes, rather
+        than when the ledger writes its event (a request sent right after would meet its worst case still held)."""
+        if not call.reserved or call.hold_shrunk:
+            return
+        call.hold_shrunk = True
+        cost = ZERO if call.cache_hit else self._list_price(call)
+        with anyio.CancelScope(shield=True):  # done before record(): the ledger then settles the shrunk hold
+            await anyio.to_thread.run_sync(self.limiter.shrink, call.request_id, cost,
+                                           call.prompt_tokens + call.completion_tokens)
 
     def _list_price(self, call: Call) -> Decimal:
         return request_cost(self.models.prices(call.resolved or call.model), call.prompt_tokens, call.completion_tokens,
@@ -336,13 +352,14 @@ class Gateway:
         # a cache hit is billed at the cache price (0); its tokens are what it saved at the list price
         cost = ZERO if call.cache_hit else self._list_price(call)
         p = call.principal
+        prices = stored_prices(self.models.prices(call.resolved or call.model))  # kept with it: never re-priced
         self.ledger.record(UsageEvent(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
             tags=call.tags, model=call.resolved.base if call.resolved else call.model,
             adapter=_adapter_name(call.resolved), endpoint=call.fmt.endpoint, route=call.route, status=status,
             prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
             cached_tokens=call.cached_tokens, cache_hit=call.cache_hit, latency_s=latency, ttft_s=call.ttft_s,
-            cost_usd=cost, error=error,
+            cost_usd=cost, error=error, **prices,
         ))
         m = self.metrics
         m.add_spend(p.tenant, cost)

@@ -87,7 +87,8 @@ _DECLARED = [
     Variable("TOLLGATE_LEDGER_MAX_BUFFER", int, 10_000,
              "usage events held in memory while the database is unreachable, before they spill to disk", "gateway"),
     Variable("TOLLGATE_BUDGET_ALERT_WEBHOOK", str, None,
-             "URL that gets a JSON POST when a key or tenant reaches its soft budget (--alert-at); unset: logged only",
+             "URL that gets a JSON POST when a tenant, key, end-user or tag budget reaches its soft limit (--alert-at); "
+             "unset: logged only",
              "gateway"),
     Variable("TOLLGATE_DRAIN_S", float, 30.0,
              "on SIGTERM or Ctrl-C: how long in-flight requests may run on before the gateway exits", "gateway"),

@@ -6,6 +6,7 @@ Each module's `register(subparsers)` adds its commands; each command runs as fun
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gateway.cli import adapters, admin, budgets, core, reports, serve
@@ -31,7 +32,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_BROKEN_PIPE = 141  # as a command killed by SIGPIPE exits (128 + 13)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a reader gone before the last write is a broken pipe too
+        return code
+    except BrokenPipeError:
+        # the reader went away (`platform keys list | head -1`): stop quietly; what is still buffered for stdout
+        # goes to /dev/null so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         settings = Settings.load(home=args.home, database_url=args.database_url)

@@ -1,9 +1,11 @@
 """`platform budgets set | list | delete`: monthly budgets within a tenant for one end user (the requests' `user`
-field) or one tag (a key's project or a request's metadata.tags), reserved at admission like key and tenant budgets."""
+field) or one tag (a key's project or a request's metadata.tags), reserved at admission like key and tenant budgets.
+`list` shows every budget, the tenants' and keys' too (set with `tenants create` / `keys create --budget-usd`)."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from billing.migrate import open_database
@@ -13,7 +15,7 @@ from gateway.settings import Settings
 
 
 def register(sub: Any) -> None:
-    budgets = sub.add_parser("budgets", help="budgets for an end user or a tag within a tenant")
+    budgets = sub.add_parser("budgets", help="budgets for an end user or a tag within a tenant; list shows all budgets")
     actions = budgets.add_subparsers(required=True, metavar="ACTION")
     put = actions.add_parser("set", help="create or replace the monthly budget of an end user or a tag")
     _whose(put)
@@ -21,7 +23,8 @@ def register(sub: Any) -> None:
     put.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget "
                                                     "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST)")
     put.set_defaults(func=cmd_set)
-    listed = actions.add_parser("list", help="budgets with their spend and reservations this month")
+    listed = actions.add_parser("list", help="every budget (tenant, key, end user, tag) with its spend and "
+                                             "reservations this month")
     listed.add_argument("--tenant")
     listed.add_argument("--json", action="store_true")
     listed.set_defaults(func=cmd_list)
@@ -55,13 +58,31 @@ def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Every budget: the tenants', the keys' (not revoked), and the tenants' end-user and tag budgets."""
+    from billing.budget_use import SCOPE_ORDER, budget_lines
+    from billing.periods import month_of
     from billing.scoped_budgets import list_budgets
 
-    rows = [{"tenant": u.tenant, "scope": u.scope, "name": u.name, "budget_usd": u.budget_usd, "alert_at": u.alert_at,
-             "month": u.period, "spent_usd": u.spent_usd, "reserved_usd": u.reserved_usd, "left_usd": u.left_usd}
-            for u in list_budgets(open_database(settings.db_url), args.tenant)]
+    db = open_database(settings.db_url)
+    if args.tenant is not None:
+        list_budgets(db, args.tenant)  # refuses an unknown tenant, naming the field
+    month = month_of(time.time())
+    lines = [b for b in budget_lines(db, month) if args.tenant is None or b.tenant == args.tenant]
+    lines.sort(key=lambda b: (b.tenant, SCOPE_ORDER.index(b.scope), b.name or b.key_prefix or ""))
+    rows = [{"tenant": b.tenant, "scope": b.scope, "name": _name(b), "budget_usd": b.budget_usd, "alert_at": b.alert_at,
+             "month": month, "spent_usd": b.spent_usd, "reserved_usd": b.reserved_usd, "left_usd": b.left_usd}
+            for b in lines]
     print_rows(rows, args.json)
     return 0
+
+
+def _name(b: Any) -> str:
+    """Whose budget: the tenant's name, a key's display prefix (and its name), an end user's or a tag's name."""
+    if b.scope == "tenant":
+        return b.tenant
+    if b.scope == "key":
+        return f"{b.key_prefix}..." + (f" ({b.key_name})" if b.key_name else "")
+    return b.name
 
 
 def cmd_delete(args: argparse.Namespace, settings: Settings) -> int:

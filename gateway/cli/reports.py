@@ -56,7 +56,11 @@ def cmd_invoice(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    import pandas as pd
+
     from billing import reports
+    from billing.money import amount_text
+    from gateway.cli.output import is_money
 
     build = {"usage": reports.cost_report, "gpu": reports.gpu_by_model, "margin": reports.margin_by_tenant}
     engine = open_database(settings.db_url)
@@ -64,11 +68,16 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
         frame = build[args.kind](engine, args.since, args.until)
     finally:
         engine.dispose()
-    if args.format == "csv":
-        data = frame.to_csv(index=False).encode("utf-8")
-    elif args.format == "json":
-        data = (frame.to_json(orient="records", double_precision=10) + "\n").encode("utf-8")
-    else:
+    if args.format in ("csv", "json"):
+        text = frame.copy()
+        for c in text.columns:  # money as exact decimal text ("0.30"), never a float
+            if is_money(c):
+                text[c] = [None if pd.isna(v) else amount_text(v) for v in text[c]]
+        if args.format == "csv":
+            data = text.to_csv(index=False).encode("utf-8")
+        else:
+            data = (text.to_json(orient="records", double_precision=10) + "\n").encode("utf-8")
+    else:  # Parquet: money as exact decimals (Arrow decimal128)
         import io
 
         buf = io.BytesIO()

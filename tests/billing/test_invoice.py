@@ -116,9 +116,12 @@ def test_adapter_requests_are_lines_of_their_own_at_the_adapters_prices(db):
                                               {"name": "plain", "source": "/b"}]}
         s.add_all([acme, ModelDeployment(name="small", spec=spec, input_per_1m=0.05, output_per_1m=0.10)])
         s.flush()
+        # each event keeps the prices the gateway charged: the adapter's own where its spec sets them
+        charged = {None: (0.05, 0.10), "legal": (1.0, 2.0), "plain": (0.05, 0.10)}
         s.add_all(UsageEvent(request_id=f"a{i}", tenant_id=acme.id, model="small", adapter=adapter,
                              endpoint="completions", status="ok", prompt_tokens=1_000_000, completion_tokens=1_000_000,
-                             cache_hit=False, created_at=MARCH)
+                             cache_hit=False, created_at=MARCH, input_per_1m=charged[adapter][0],
+                             cached_input_per_1m=charged[adapter][0], output_per_1m=charged[adapter][1])
                   for i, adapter in enumerate([None, "legal", "plain"]))
         s.commit()
     inv = build_invoice(db, "acme", "2026-03")

@@ -89,3 +89,32 @@ def test_0006_adds_end_user_and_tag_budgets_and_takes_them_back(tmp_path) -> Non
         set_budget(engine, "acme", user="alice", budget_usd=5)
         assert [(u.scope, u.name, u.budget_usd) for u in list_budgets(engine)] == [("user", "alice", 5)]
         engine.dispose()
+
+
+def test_0008_keeps_the_prices_past_usage_was_charged_adapters_included(tmp_path) -> None:
+    from sqlalchemy import create_engine, text
+
+    from tests.billing.dbutil import fresh_database
+
+    with fresh_database(tmp_path, migrate=False) as url:
+        upgrade(url, "0007")
+        engine = create_engine(url)
+        spec = '{"name": "m", "adapters": [{"name": "legal", "source": "/a", "pricing": {"input_per_1m": 1.5}}]}'
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO model_deployments (id, name, spec, input_per_1m, output_per_1m, gpu_hour, "
+                              "updated_at) VALUES (1, 'm', :spec, 150000000, 600000000, 2500000000, "
+                              "CURRENT_TIMESTAMP)"), {"spec": spec})
+            for rid, adapter in (("base", None), ("lora", "legal")):
+                conn.execute(text("INSERT INTO usage_events (request_id, created_at, tags, model, adapter, endpoint, "
+                                  "status, prompt_tokens, completion_tokens, cached_tokens, cache_hit, latency_s, "
+                                  "cost_usd) VALUES (:r, CURRENT_TIMESTAMP, '[]', 'm', :a, 'completions', 'ok', 1, 1, "
+                                  "0, false, 0, 0)"), {"r": rid, "a": adapter})
+            conn.execute(text("INSERT INTO replica_intervals (id, model, replica, start, busy_s, idle_s) "
+                              "VALUES (1, 'm', 'r', CURRENT_TIMESTAMP, 0, 60000000)"))
+        upgrade(url)
+        with engine.connect() as conn:
+            prices = dict(conn.execute(text("SELECT request_id, input_per_1m || '/' || cached_input_per_1m || '/' || "
+                                            "output_per_1m FROM usage_events")).all())
+            assert prices == {"base": "150000000/150000000/600000000", "lora": "1500000000/1500000000/0"}
+            assert conn.execute(text("SELECT gpu_hour FROM replica_intervals")).scalar_one() == 2_500_000_000
+        engine.dispose()

@@ -2,6 +2,7 @@
 TOLLGATE_TEST_DATABASE_URL)."""
 
 from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
 from sqlalchemy import func, select
@@ -77,11 +78,11 @@ def test_usage_per_tenant_day_model(seeded):
     assert (acme.input_tokens, acme.output_tokens, acme.cached_tokens, acme.cache_hits) == (
         3_000_100, 1_200_000, 400_000, 1)
     # billed: 1_000_100 input × 0.5/M + 200_000 output × 1.5/M; the cache hit is not revenue
-    assert acme.revenue_usd == pytest.approx(1_000_100 * 0.5e-6 + 200_000 * 1.5e-6)
-    assert acme.cache_savings_usd == pytest.approx(2 * 0.5 + 1 * 1.5)
+    assert acme.revenue_usd == Decimal("0.80005")  # exact Decimals, never floats
+    assert acme.cache_savings_usd == Decimal("2.5")  # 2M input × 0.5/M + 1M output × 1.5/M
     evil = frame.iloc[1]
     assert (evil.requests_ok, evil.requests_failed, evil.requests_cancelled) == (0, 0, 1)
-    assert frame.iloc[2].revenue_usd == pytest.approx(0.1 * 3.0 + 0.01 * 15.0)
+    assert frame.iloc[2].revenue_usd == Decimal("0.45")  # 0.1 × 3.0 + 0.01 × 15.0
     everything = usage_by_tenant_day_model(seeded.url.render_as_string(hide_password=False))
     assert len(everything) == 4  # the URL form works too, and no window keeps the old event
 
@@ -103,21 +104,20 @@ def test_gpu_cost_follows_the_replicas_shares_and_margin(seeded):
     small = frame[frame.model == "small"].set_index("tenant")
     # small, day 1 (3 h of replica time): acme 1200+3600 s on a and 1800+1800 s on b, evil 600+1800 s on a
     assert small.share.to_dict() == pytest.approx({"acme": 8400 / 10800, EVIL: 2400 / 10800})
-    assert small.gpu_cost_usd.to_dict() == pytest.approx({"acme": 8400 / 3600 * 2.0, EVIL: 2400 / 3600 * 2.0})
+    # 8400 / 3600 × 2.0 and 2400 / 3600 × 2.0, to the nano-dollar
+    assert small.gpu_cost_usd.to_dict() == {"acme": Decimal("4.666666667"), EVIL: Decimal("1.333333333")}
     large = frame[frame.model == "large"].set_index("tenant")
-    assert large.gpu_cost_usd.to_dict() == pytest.approx({EVIL: 2.5, NO_TENANT: 7.5})  # idle without work: no tenant
-    assert frame.gpu_cost_usd.sum() == pytest.approx(6.0 + 10.0)  # every GPU dollar is on a row
+    assert large.gpu_cost_usd.to_dict() == {EVIL: Decimal("2.5"), NO_TENANT: Decimal("7.5")}  # idle, no work: no tenant
+    assert frame.gpu_cost_usd.sum() == Decimal("16")  # every GPU dollar is on a row
 
     margin = margin_by_tenant(seeded, **window).set_index("tenant")
-    acme_revenue = 1_000_100 * 0.5e-6 + 200_000 * 1.5e-6
-    evil_revenue = 15 * 0 + 10 * 0.5e-6 + 5 * 1.5e-6 + 0.3 + 0.15
-    assert margin.loc["acme"].margin_usd == pytest.approx(acme_revenue - 8400 / 3600 * 2.0)
-    assert margin.loc[EVIL].revenue_usd == pytest.approx(evil_revenue)
-    assert margin.loc[EVIL].gpu_cost_usd == pytest.approx(2400 / 3600 * 2.0 + 2.5)
+    assert margin.loc["acme"].margin_usd == Decimal("0.80005") - Decimal("4.666666667")
+    assert margin.loc[EVIL].revenue_usd == Decimal("0.4500125")  # 10 × 0.5e-6 + 5 × 1.5e-6 + 0.3 + 0.15
+    assert margin.loc[EVIL].gpu_cost_usd == Decimal("1.333333333") + Decimal("2.5")
 
     report = cost_report(seeded, **window)
     # the cost report has usage rows only: idle time on no tenant is in the margin, not in it
-    assert report.margin_usd.sum() == pytest.approx(margin.margin_usd.sum() + margin.loc[NO_TENANT].gpu_cost_usd)
+    assert report.margin_usd.sum() == margin.margin_usd.sum() + margin.loc[NO_TENANT].gpu_cost_usd
 
 
 def test_empty_database_gives_empty_frames(db):

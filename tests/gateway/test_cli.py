@@ -40,7 +40,7 @@ def test_tenants_keys_usage(db_url, tmp_path):
     listed = _run(env, "keys", "list", "--json")
     assert key not in listed.stdout
     [row] = json.loads(listed.stdout)
-    assert (row["tenant"], row["rpm"], row["tpm"], row["budget_usd"], row["revoked"]) == ("acme", 60, 1000, 5.0, False)
+    assert (row["tenant"], row["rpm"], row["tpm"], row["budget_usd"], row["revoked"]) == ("acme", 60, 1000, "5.00", False)
     assert _run(env, "keys", "revoke", str(row["id"])).returncode == 0
     assert json.loads(_run(env, "keys", "list", "--json").stdout)[0]["revoked"] is True
     assert json.loads(_run(env, "tenants", "list", "--json").stdout)[0]["name"] == "acme"

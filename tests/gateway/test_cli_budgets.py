@@ -44,14 +44,14 @@ def test_budgets_set_list_delete_round_trip(db, db_url, capsys) -> None:
     assert code == 0 and set(rows) == {("user", "alice"), ("tag", "search")}
     alice, search = rows[("user", "alice")], rows[("tag", "search")]
     assert (alice["budget_usd"], alice["alert_at"], alice["spent_usd"], alice["reserved_usd"], alice["left_usd"]) == (
-        5.0, 0.8, 0.25, 0.5, 4.25)
-    assert (search["budget_usd"], search["spent_usd"], search["reserved_usd"], search["left_usd"]) == (50, 0.25, 0.5,
-                                                                                                        49.25)
+        "5.00", 0.8, "0.25", "0.50", "4.25")  # money as exact decimal text
+    assert (search["budget_usd"], search["spent_usd"], search["reserved_usd"], search["left_usd"]) == (
+        "50.00", "0.25", "0.50", "49.25")
     code, out, _ = _platform(capsys, db_url, "platform budgets list")
     header, *lines = out.splitlines()
     assert header.split() == ["tenant", "scope", "name", "budget_usd", "alert_at", "month", "spent_usd",
                               "reserved_usd", "left_usd"]
-    assert [line.split()[:4] for line in lines] == [["acme", "tag", "search", "50"], ["acme", "user", "alice", "5"]]
+    assert [line.split()[:4] for line in lines] == [["acme", "user", "alice", "5.00"], ["acme", "tag", "search", "50.00"]]
 
     # set again: a new budget, the same spend; an alert share not given is cleared
     code, out, _ = _platform(capsys, db_url, "platform budgets set --tenant acme --user alice --budget-usd 7.5")

@@ -88,6 +88,19 @@ def test_paths_outside_the_roots_are_refused_naming_the_field(tmp_path, source):
         load_spec(spec_with(tmp_path / "models", source))
 
 
+@pytest.mark.parametrize("source,error", [
+    ("file:///etc/passwd", r"source: 'file:///etc/passwd' is a URL"),
+    ("https://example.com/m.gguf", r"source: 'https://example.com/m.gguf' is a URL"),
+    ("pkg:os", r"source: pkg:os: no installed package of that name holds a model"),
+    ("random:../../etc", r"source: random:\.\./\.\./etc: unknown random model"),
+])
+def test_sources_that_name_no_model_get_a_clean_error_naming_the_field(tmp_path, source, error):
+    from gateway.specs import check_source
+
+    with pytest.raises(SpecError, match=r"invalid model spec\n  " + error):
+        check_source(load_spec(spec_with(tmp_path / "models", source)))
+
+
 def test_paths_inside_the_roots_are_made_absolute(tmp_path):
     models = tmp_path / "models"
     assert load_spec(spec_with(models, "weights/m.gguf")).source == str((models / "weights" / "m.gguf").resolve())
