@@ -91,13 +91,13 @@ def test_0006_adds_end_user_and_tag_budgets_and_takes_them_back(tmp_path) -> Non
         engine.dispose()
 
 
-def test_0008_keeps_the_prices_past_usage_was_charged_adapters_included(tmp_path) -> None:
+def test_0009_keeps_the_prices_past_usage_was_charged_adapters_included(tmp_path) -> None:
     from sqlalchemy import create_engine, text
 
     from tests.billing.dbutil import fresh_database
 
     with fresh_database(tmp_path, migrate=False) as url:
-        upgrade(url, "0007")
+        upgrade(url, "0008")
         engine = create_engine(url)
         spec = '{"name": "m", "adapters": [{"name": "legal", "source": "/a", "pricing": {"input_per_1m": 1.5}}]}'
         with engine.begin() as conn:

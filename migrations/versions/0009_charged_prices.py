@@ -1,8 +1,8 @@
 """the prices each usage event and replica interval was charged at, so a price change never re-prices the past
 
-Revision ID: 0008
-Revises: 0007
-Create Date: 2026-12-04
+Revision ID: 0009
+Revises: 0008
+Create Date: 2026-12-02
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0008"
-down_revision: str | None = "0007"
+revision: str = "0009"
+down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
