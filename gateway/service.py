@@ -38,7 +38,7 @@ from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
 from gateway.router import RouteDecision
 from gateway.sampling import value_error
-from gateway.specs import ModelKind
+from gateway.specs import DEFAULT_TOOL_PARSER, ModelKind
 
 log = logging.getLogger("tollgate.gateway")
 
@@ -180,6 +180,11 @@ class Gateway:
         completion = per_choice * n
         cost = request_cost(self.models.prices(model), prompt_tokens_bound, completion)
         return Worst(cost, prompt_tokens_bound + completion)
+
+    def tool_parser(self, model: str) -> str:
+        """The model's tool-call format (its spec's tool_parser)."""
+        spec = self.models.specs.get(model)
+        return spec.tool_parser if spec is not None else DEFAULT_TOOL_PARSER
 
     def cache_salt(self, p: Principal, model: str) -> str | None:
         """Whose prefix-cache blocks this request may reuse (the model spec's prefix_sharing; tenant by default)."""
