@@ -71,9 +71,9 @@ async def tool_plan(body: ChatCompletionRequest, parser: str = DEFAULT_TOOL_PARS
     for i, tool in enumerate(body.tools):
         name = tool.function.name
         if name in schemas:
-            raise invalid_request(f"tools[{i}].function.name: `{name}` names two tools; names must be unique",
-                                  f"tools[{i}].function.name")
-        schemas[name] = _checked_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+            raise invalid_request(f"tools.{i}.function.name: `{name}` names two tools; names must be unique",
+                                  f"tools.{i}.function.name")
+        schemas[name] = _checked_parameters(tool.function.parameters, f"tools.{i}.function.parameters")
     choice = body.tool_choice or "auto"
     named = None
     if isinstance(choice, NamedToolChoice):
@@ -112,7 +112,7 @@ def _check_enforceable(body: ChatCompletionRequest, names: list[str]) -> None:
     assert body.tools is not None
     for i, tool in enumerate(body.tools):
         if tool.function.name in names:
-            field = f"tools[{i}].function.parameters"
+            field = f"tools.{i}.function.parameters"
             schema = _closed(tool.function.parameters or NO_PARAMETERS)
             try:
                 check_constraint(StructuredOutputs(json=schema, field_name=field))

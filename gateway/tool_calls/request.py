@@ -3,9 +3,10 @@ in the history. Unknown keys inside them are refused (a 400 naming them)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_TOOLS = 128  # OpenAI's bound
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -37,6 +38,7 @@ class NamedToolChoice(_Closed):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+CHOICES = ("none", "auto", "required")
 
 
 class FunctionCall(_Closed):
@@ -62,6 +64,21 @@ class ToolFields(BaseModel):
     functions: Any = None
     function_call: Any = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, v: Any) -> Any:
+        """One error naming tool_choice (or the key inside it), not one per shape of the union."""
+        if v is None or v in CHOICES:
+            return v
+        if not isinstance(v, dict):
+            raise ValueError(f"must be one of {', '.join(CHOICES)} or {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ...}}")
+        try:
+            return NamedToolChoice.model_validate(v)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
 
 def with_tool_fields(message: dict[str, Any], tool_calls: list[ToolCall] | None,
                      tool_call_id: str | None) -> dict[str, Any]:
@@ -77,8 +94,6 @@ def with_tool_fields(message: dict[str, Any], tool_calls: list[ToolCall] | None,
 
 
 def _json_or_text(text: str) -> Any:
-    import json
-
     try:
         return json.loads(text)
     except ValueError:
