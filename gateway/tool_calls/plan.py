@@ -27,6 +27,9 @@ from gateway.tool_calls.request import NamedToolChoice
 PARSERS = {"hermes": (HermesParser, "arguments"), "llama3_json": (Llama3JsonParser, "parameters")}
 assert set(PARSERS) == set(TOOL_PARSERS)
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# objects and arrays inside one tool's parameters at most: the schema checks recurse (a schema level is two: a
+# property's name, then its schema), and real tools nest a few levels
+MAX_SCHEMA_NESTING = 64
 
 Mode = Literal["none", "auto", "required", "named"]
 
@@ -83,9 +86,12 @@ async def tool_plan(body: ChatCompletionRequest, parser: str = DEFAULT_TOOL_PARS
                                   f"({', '.join(schemas)})", "tool_choice.function.name")
     mode: Mode = "named" if named else choice  # type: ignore[assignment]
     parallel = body.parallel_tool_calls is not False
+    try:
+        constraint = _constraint(mode, named, schemas, parallel, PARSERS[parser][1])
+    except ValueError as e:  # the combined schema past the constraint size bound
+        raise invalid_request(str(e), "tool_choice") from None
     plan = ToolPlan(tools=[] if mode == "none" else [t.model_dump(exclude_none=True) for t in body.tools],
-                    schemas=schemas, mode=mode, named=named, parallel=parallel, parser=parser,
-                    constraint=_constraint(mode, named, schemas, parallel, PARSERS[parser][1]))
+                    schemas=schemas, mode=mode, named=named, parallel=parallel, parser=parser, constraint=constraint)
     if plan.constraint is not None:
         enforced = [named] if named else list(schemas)
         await run_in_threadpool(_check_enforceable, body, enforced)
@@ -95,6 +101,8 @@ async def tool_plan(body: ChatCompletionRequest, parser: str = DEFAULT_TOOL_PARS
 def _checked_parameters(parameters: dict[str, Any] | None, field: str) -> dict[str, Any]:
     if parameters is None:
         return NO_PARAMETERS
+    if _nesting(parameters) > MAX_SCHEMA_NESTING:
+        raise invalid_request(f"{field}: nested deeper than {MAX_SCHEMA_NESTING} levels", field)
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except SchemaError as e:
@@ -105,6 +113,18 @@ def _checked_parameters(parameters: dict[str, Any] | None, field: str) -> dict[s
         raise invalid_request(f"{field}: must describe an object (type: object), got type {parameters['type']!r}",
                               field)
     return parameters
+
+
+def _nesting(value: Any) -> int:
+    """How deep objects and arrays nest in `value`, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_enforceable(body: ChatCompletionRequest, names: list[str]) -> None:

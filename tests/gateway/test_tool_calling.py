@@ -5,6 +5,7 @@ deltas add up to the whole call; a bad tool definition is a 400 naming the field
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -18,6 +19,8 @@ from sqlalchemy.orm import Session
 
 from billing.accounts import create_key, create_tenant
 from billing.models import RateWindow, Reservation, UsageEvent
+from gateway.protocol import ChatCompletionRequest
+from gateway.tool_calls.plan import tool_plan
 from tests.gateway.conftest import MODEL
 
 WEATHER = {"type": "function", "function": {
@@ -183,6 +186,13 @@ def limited_key(shared_db) -> str:
     return create_key(shared_db, "toolsmith", rpm=1000, budget_usd=10).key
 
 
+def nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                            "properties": {"a": {"type": "nope"}}}}}
 UNENFORCEABLE = {"type": "function", "function": {"name": "f", "parameters": {
@@ -195,6 +205,8 @@ UNENFORCEABLE = {"type": "function", "function": {"name": "f", "parameters": {
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools.0.function.parameters", "object"),
     ({"tools": [WEATHER, CLOCK, WEATHER]}, "tools.2.function.name", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested_schema(200)}}],
+      "tool_choice": "required"}, "tools.0.function.parameters", "nested deeper"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
      "tool_choice.function.name", "send_email"),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
@@ -228,6 +240,14 @@ def test_a_bad_tool_request_is_a_400_naming_the_field_before_admission(server, l
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert error["message"].startswith(f"{param}: ") and (says is None or says in error["message"]), error
     assert held() == before  # nothing admitted, reserved, run or billed
+
+
+def test_a_tool_nested_as_deep_as_allowed_compiles_for_enforcement():
+    deep = {"type": "function", "function": {"name": "deep", "parameters": nested_schema(31)}}
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": ASK, "tools": [deep],
+                                                 "tool_choice": "required"})
+    plan = asyncio.run(tool_plan(body))
+    assert plan is not None and plan.constraint is not None and plan.mode == "required"
 
 
 def test_auto_accepts_a_schema_only_enforced_calls_would_refuse(client):
