@@ -24,6 +24,7 @@ from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
 from cache.types import Lookup
 from engine.errors import PromptTooLongError
+from gateway.adapters import SEPARATOR as ADAPTER_SEPARATOR
 from gateway.adapters import ResolvedModel
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
@@ -182,8 +183,8 @@ class Gateway:
         return Worst(cost, prompt_tokens_bound + completion)
 
     def tool_parser(self, model: str) -> str:
-        """The model's tool-call format (its spec's tool_parser)."""
-        spec = self.models.specs.get(model)
+        """The model's tool-call format (its spec's tool_parser; an adapter's base model's)."""
+        spec = self.models.specs.get(model.partition(ADAPTER_SEPARATOR)[0])
         return spec.tool_parser if spec is not None else DEFAULT_TOOL_PARSER
 
     def cache_salt(self, p: Principal, model: str) -> str | None:
