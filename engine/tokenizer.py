@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from engine.model_config import token_id_tuple
+from engine.tool_prompt import fallback_messages, template_has_tool_section, uses_tools
 from tollgate import envs
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -67,13 +68,24 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._hf.convert_ids_to_tokens(list(ids)))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The rendered prompt; `tools` (OpenAI's function tools) go through the template's own tool section, or the
+        fallback format of engine/tool_prompt.py when it has none."""
         _check_messages(messages)
-        if not getattr(self._hf, "chat_template", None):
+        template = getattr(self._hf, "chat_template", None)
+        if not template:
             raise ValueError("chat_template: this tokenizer has no chat template")
         messages = with_speaker_names(messages, self._hf.chat_template)
+        extra: dict[str, Any] = {}
+        if uses_tools(messages, tools):
+            if template_has_tool_section(template):
+                extra["tools"] = tools or None
+            else:
+                messages = fallback_messages(messages, tools)
         try:
-            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                **extra)
         except Exception as e:  # jinja2 errors, including the template's own raise_exception(...)
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
 

@@ -5,6 +5,7 @@ picklable dataclasses with token strings already decoded, so a remote backend ca
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -24,7 +25,8 @@ SERVING_STATES = ("ready", "scaled_to_zero")
 class GenerationRequest:
     request_id: str
     params: SamplingParams
-    messages: list[dict[str, str]] | None = None  # chat: rendered with the model's chat template
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI function tools, rendered with the messages
     prompt: str | list[int] | None = None  # completions
     priority: int = 0
     # prefix-cache blocks are shared only among requests with the same salt (the gateway's: per tenant)
@@ -164,11 +166,12 @@ class LocalEngineBackend:
             raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}{why}")
         engine = self._engine
         if request.messages is not None:
-            if sum(len(m.get("content") or "") for m in request.messages) > TOKENIZE_IN_THREAD_CHARS:
-                prompt: str | list[int] = await asyncio.to_thread(engine.tokenizer.apply_chat_template,
-                                                                  request.messages)
+            render = functools.partial(engine.tokenizer.apply_chat_template, request.messages, tools=request.tools)
+            if sum(len(m.get("content") or "") for m in request.messages) > TOKENIZE_IN_THREAD_CHARS \
+                    or request.tools or any(m.get("tool_calls") for m in request.messages):
+                prompt: str | list[int] = await asyncio.to_thread(render)
             else:
-                prompt = engine.tokenizer.apply_chat_template(request.messages)
+                prompt = render()
         elif request.prompt is not None:
             prompt = request.prompt
         else:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backends import ChoiceDelta, TokenInfo
+from gateway.tool_calls.output import delta_of, message_of, parse_whole
+from gateway.tool_calls.output import finish_reason as tool_finish_reason
+from gateway.tool_calls.parsers import ToolCallParser
 
 DONE = b"data: [DONE]\n\n"
 
@@ -61,9 +65,23 @@ class ChatFormat:
     endpoint = "chat.completions"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, want_logprobs: bool) -> None:
+    def __init__(self, want_logprobs: bool, new_tool_parser: Callable[[], ToolCallParser | None] | None = None) -> None:
         self.want_logprobs = want_logprobs
         self._bytes: _DeltaBytes | None = None
+        # a request with tools reads each choice's output through a parser of tool calls (gateway/tool_calls/)
+        self._new_tool_parser = new_tool_parser
+        self._tool_parsers: dict[int, ToolCallParser] = {}
+
+    def _tool_parser(self, index: int) -> ToolCallParser | None:
+        if self._new_tool_parser is None:
+            return None
+        if index not in self._tool_parsers:
+            parser = self._new_tool_parser()
+            if parser is None:
+                self._new_tool_parser = None
+                return None
+            self._tool_parsers[index] = parser
+        return self._tool_parsers[index]
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
         return [self._chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None, None)
@@ -74,8 +92,22 @@ class ChatFormat:
         body = {"content": c.text} if c.text or c.finish_reason is None else {}
         return self._chunk(rid, created, model, c.index, body, _finish(c.finish_reason), lp)
 
+    def _tool_delta_event(self, rid: str, created: int, model: str, c: ChoiceDelta, parser: ToolCallParser) -> bytes:
+        events = parser.feed(c.text)
+        if c.finish_reason is not None:
+            events += parser.finish()
+        body = delta_of(events)
+        finish = _finish(c.finish_reason)
+        lp = self._logprobs(c.logprobs) if self.want_logprobs and c.logprobs is not None else None
+        if not body and finish is None and lp is None:
+            return b""  # the parser holds the text back (a call being written)
+        return sse(self._chunk(rid, created, model, c.index, body, tool_finish_reason(finish, parser), lp))
+
     def delta_event(self, rid: str, created: int, model: str, c: ChoiceDelta) -> bytes:
         """`sse(self.delta(...))`, faster."""
+        parser = self._tool_parser(c.index)
+        if parser is not None:
+            return self._tool_delta_event(rid, created, model, c, parser)
         if self.want_logprobs and c.logprobs is not None:
             return sse(self.delta(rid, created, model, c))
         if self._bytes is None or self._bytes.key != (rid, created, model):
@@ -92,11 +124,17 @@ class ChatFormat:
                  u: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-                         "logprobs": self._logprobs(c.logprobs) if self.want_logprobs else None,
-                         "finish_reason": _finish(c.finish_reason)} for i, c in enumerate(choices)],
+            "choices": [{"index": i, **self._message(c), "logprobs": self._logprobs(c.logprobs) if self.want_logprobs
+                         else None} for i, c in enumerate(choices)],
             "usage": u,
         }
+
+    def _message(self, c: ChoiceText) -> dict[str, Any]:
+        text, finish = "".join(c.text), _finish(c.finish_reason)
+        parser = self._new_tool_parser() if self._new_tool_parser is not None else None
+        if parser is None:
+            return {"message": {"role": "assistant", "content": text, "refusal": None}, "finish_reason": finish}
+        return {"message": message_of(parse_whole(parser, text)), "finish_reason": tool_finish_reason(finish, parser)}
 
     @staticmethod
     def _chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish: str | None,

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.tool_calls.request import ToolCall, ToolFields, check_tool_message, with_tool_fields
 from gateway.unsupported_fields import CHAT_ONLY_AT, refusal
 
 MAX_N = 16
@@ -30,6 +31,8 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=200)  # passed to the chat template, which may show it
     refusal: str | None = None  # an earlier assistant refusal, as the SDK replays a response's message
+    tool_calls: list[ToolCall] | None = None  # assistant (gateway/tool_calls/)
+    tool_call_id: str | None = None  # tool
 
     @field_validator("content", mode="before")
     @classmethod
@@ -53,6 +56,11 @@ class ChatMessage(_Body):
                 raise ValueError(f"{where}: {why}") from None
         return parts
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        check_tool_message(self.role, self.tool_calls, self.tool_call_id)
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return self.refusal or ""
@@ -60,12 +68,12 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def template_message(self) -> dict[str, str]:
+    def template_message(self) -> dict[str, Any]:
         """The message as the chat template reads it."""
-        message = {"role": self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
-        return message
+        return with_tool_fields(message, self.tool_calls, self.tool_call_id)
 
 
 class StreamOptions(_Body):
@@ -207,7 +215,7 @@ class _SamplingFields(_Body):
         return []
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -11,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from billing.admin_keys import check_admin_key
+from engine.structured_outputs import StructuredOutputs
 from gateway.answer_reuse import AUTO_MODEL, CacheOutcome, hit_stream
 from gateway.auth import Principal
 from gateway.auth_throttle import client_address
@@ -24,6 +26,7 @@ from gateway.router import RouteDecision
 from gateway.sampling import check_structured_outputs, to_sampling_params
 from gateway.service import Call, Gateway
 from gateway.sse import EventStreamResponse
+from gateway.tool_calls.plan import tool_plan, tools_prompt_bytes
 
 router = APIRouter()
 
@@ -98,15 +101,18 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
 async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(principal),
                            gw: Gateway = Depends(gateway)) -> Response:
     messages = [m.template_message() for m in body.messages]
-    fmt = ChatFormat(body.logprobs)
     model, route = body.model, None
     if model == AUTO_MODEL:
         decision = gw.route(messages, body.max_completion_tokens or body.max_tokens)
         model, route = decision.model, decision
+    tools = await tool_plan(body, gw.tool_parser(model))
+    fmt = ChatFormat(body.logprobs, tools.new_parser if tools is not None else None)
     cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
-    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, messages=messages),
-                      prompt_tokens_bound=chat_prompt_bound(messages), model=model, route=route, cache_view=cache_view,
-                      prompt_length={"chars": sum(len(m["content"]) for m in messages), "field": "messages"})
+    return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(
+        rid, params, messages=messages, tools=tools.tools or None if tools is not None else None),
+        prompt_tokens_bound=chat_prompt_bound(messages) + tools_prompt_bytes(tools), model=model, route=route,
+        cache_view=cache_view, tool_constraint=tools.constraint if tools is not None else None,
+        prompt_length={"chars": sum(len(m.get("content") or "") for m in messages), "field": "messages"})
 
 
 # A bound on a prompt's tokens before it is tokenized: a byte-level or byte-fallback tokenizer makes no more
@@ -116,9 +122,10 @@ TEMPLATE_TOKENS_PER_MESSAGE = 16
 TEMPLATE_TOKENS = 64
 
 
-def chat_prompt_bound(messages: list[dict[str, str]]) -> int:
-    return sum(len(m["content"].encode()) + len(m.get("name", "").encode()) + TEMPLATE_TOKENS_PER_MESSAGE
-               for m in messages) + TEMPLATE_TOKENS
+def chat_prompt_bound(messages: list[dict[str, Any]]) -> int:
+    """Tool calls and results count as the JSON the templates write of them (escaped, so longer than the text)."""
+    return sum((len(m["content"].encode()) + len(m.get("name", "").encode()) if set(m) <= {"role", "content", "name"}
+                else len(json.dumps(m).encode())) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages) + TEMPLATE_TOKENS
 
 
 def completion_prompt_bound(prompt: str | list[int]) -> int:
@@ -145,7 +152,8 @@ async def completions(body: CompletionRequest, p: Principal = Depends(principal)
 async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | CompletionRequest,
                fmt: ChatFormat | CompletionFormat, make_request: Any, *, prompt_tokens_bound: int,
                model: str | None = None, route: RouteDecision | None = None,
-               cache_view: dict[str, Any] | None = None, prompt_length: dict[str, Any] | None = None) -> Response:
+               cache_view: dict[str, Any] | None = None, tool_constraint: StructuredOutputs | None = None,
+               prompt_length: dict[str, Any] | None = None) -> Response:
     """`model`: the deployed model to call (the router's choice for "auto"); `cache_view`: the request as
     the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens; `prompt_length`:
     the prompt's length for the cheap refusal of one too long (gateway/prompt_length.py)."""
@@ -155,7 +163,7 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
     reserved = False
     call: Call | None = None
     try:
-        params = to_sampling_params(body)
+        params = to_sampling_params(body, tool_constraint)
         await check_structured_outputs(params)
         resolved = gw.models.adapters.resolve(model, p.tenant)  # an adapter runs on its model's backend, and size
         backend = gw.backend_for(resolved.base)

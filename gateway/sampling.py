@@ -16,7 +16,9 @@ MAX_STOP = 4
 UNSUPPORTED_VLLM_FIELDS = ("guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
 
 
-def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def to_sampling_params(body: ChatCompletionRequest | CompletionRequest,
+                       tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+    """`tool_constraint`: what `tool_choice` required or named demands of the output (gateway/tool_calls/plan.py)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP:
         raise invalid_request(f"stop: at most {MAX_STOP} sequences", "stop")
@@ -46,6 +48,12 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
             fields[name] = value
     try:
         fields["structured_outputs"] = structured_outputs(body)
+        if tool_constraint is not None:
+            if fields["structured_outputs"] is not None:
+                other = fields["structured_outputs"].field.split(".")[0]
+                raise invalid_request(f"tool_choice: a required or named tool call cannot be combined with {other}",
+                                      "tool_choice")
+            fields["structured_outputs"] = tool_constraint
         return SamplingParams(**fields)
     except ValueError as e:
         raise value_error(e) from e

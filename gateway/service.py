@@ -25,6 +25,7 @@ from billing.reservations import ReservationKeeper, Worst
 from cache.namespace import CacheDecision
 from cache.types import Lookup
 from engine.errors import PromptTooLongError
+from gateway.adapters import SEPARATOR as ADAPTER_SEPARATOR
 from gateway.adapters import ResolvedModel
 from gateway.answer_reuse import AnswerReuse
 from gateway.auth import KeyStore, Principal
@@ -39,7 +40,7 @@ from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
 from gateway.router import RouteDecision
 from gateway.sampling import value_error
-from gateway.specs import ModelKind
+from gateway.specs import DEFAULT_TOOL_PARSER, ModelKind
 
 log = logging.getLogger("tollgate.gateway")
 
@@ -183,6 +184,11 @@ class Gateway:
         completion = per_choice * n
         cost = request_cost(self.models.prices(model), prompt_tokens_bound, completion)
         return Worst(cost, prompt_tokens_bound + completion)
+
+    def tool_parser(self, model: str) -> str:
+        """The model's tool-call format (its spec's tool_parser; an adapter's base model's)."""
+        spec = self.models.specs.get(model.partition(ADAPTER_SEPARATOR)[0])
+        return spec.tool_parser if spec is not None else DEFAULT_TOOL_PARSER
 
     def cache_salt(self, p: Principal, model: str) -> str | None:
         """Whose prefix-cache blocks this request may reuse (the model spec's prefix_sharing; tenant by default)."""

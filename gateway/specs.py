@@ -20,6 +20,9 @@ _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
 MAX_SPEC_BYTES = 64 * 1024
 # chat: /v1/chat/completions and /v1/completions on the engine; embedding: /v1/embeddings (gateway/embeddings.py)
 ModelKind = Literal["chat", "embedding"]
+# the formats gateway/tool_calls/parsers.py reads
+TOOL_PARSERS = ("hermes", "llama3_json")
+DEFAULT_TOOL_PARSER = "hermes"
 
 
 class Pricing(BaseModel):
@@ -135,6 +138,9 @@ class ModelSpec(BaseModel):
     # who may reuse the KV prefix cache blocks another request left: requests of the same tenant (default),
     # of the same API key, or anyone's (one tenant's timing and cached_tokens then reveal another's prompts)
     prefix_sharing: Literal["tenant", "key", "all"] = "tenant"
+    # how `tool_choice: auto` reads the model's tool calls: hermes (`<tool_call>{json}</tool_call>`: Hermes, Qwen 2.5
+    # and the fallback prompt of templates without tools) or llama3_json (Llama 3.1 / 3.2 JSON calls)
+    tool_parser: str = DEFAULT_TOOL_PARSER
     resources: Resources = Field(default_factory=Resources)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pricing: Pricing = Field(default_factory=Pricing)
@@ -160,6 +166,13 @@ class ModelSpec(BaseModel):
         unknown = sorted(set(v) - _ENGINE_FIELDS)
         if unknown:
             raise ValueError(f"{unknown[0]}: not an engine setting (known: {sorted(_ENGINE_FIELDS)})")
+        return v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, v: str) -> str:
+        if v not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call format {v!r} (known: {', '.join(TOOL_PARSERS)})")
         return v
 
     @model_validator(mode="before")

@@ -103,3 +103,15 @@ def test_logprobs_requests_are_not_cached():
     assert not namespace_for_request("t1", "s", req(logprobs=True)).cacheable
     assert not namespace_for_request("t1", "s", req(logprobs=False, top_logprobs=0)).cacheable
     assert namespace_for_request("t1", "s", req(logprobs=False)).cacheable
+
+
+def test_tool_fields_separate_namespaces():
+    """A request with tools is never answered with what a request without them (or with other tools) got."""
+    base = namespace_for_request("t1", "small", req()).namespace
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "get_date", "parameters": {"type": "object"}}}
+    variants = [req(tools=[tool]), req(tools=[other]), req(tools=[tool], tool_choice="required"),
+                req(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                req(tools=[tool], parallel_tool_calls=False)]
+    keys = {namespace_for_request("t1", "small", v).namespace for v in variants}
+    assert len(keys) == len(variants) and base not in keys

@@ -27,6 +27,7 @@ def test_model_specs_validate() -> None:
     specs = {s.name: s for s in load_specs(PLATFORM / "models").specs}
     assert {"smollm2-135m", "llama-3.1-8b", "all-minilm-l6-v2"} <= set(specs)
     small, large = specs["smollm2-135m"], specs["llama-3.1-8b"]
+    assert small.tool_parser == "hermes" and large.tool_parser == "llama3_json"
     assert small.resources.num_gpus == 0 and small.size == "small"
     assert large.resources.num_gpus == 1 and large.size == "large" and large.autoscaling.min_replicas == 0
     embedder = specs["all-minilm-l6-v2"]
@@ -86,12 +87,13 @@ def test_deploy_rejects_a_bad_spec_naming_each_field(tmp_path, capsys) -> None: 
     from gateway.cli import main
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: m\nsource: x\nresources: {num_gpus: -1}\n"
+    bad.write_text("name: m\nsource: x\nresources: {num_gpus: -1}\ntool_parser: mistral\n"
                    "autoscaling: {min_replicas: 3, max_replicas: 2, bogus: 1}\nengine: {max_model_lenn: 5}\n")
     assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2  # before any cluster is contacted
     err = capsys.readouterr().err
     for path in ("resources.num_gpus", "autoscaling.bogus", "engine.max_model_lenn"):
         assert f"  {path}: " in err
+    assert "  tool_parser: unknown tool-call format 'mistral' (known: hermes, llama3_json)" in err
     bad.write_text("name: m\nsource: x\nautoscaling: {min_replicas: 3, max_replicas: 2}\n")
     assert main(["--home", str(tmp_path), "deploy", str(bad)]) == 2
     assert "autoscaling.max_replicas: must be >= min_replicas" in capsys.readouterr().err

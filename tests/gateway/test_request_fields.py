@@ -32,11 +32,10 @@ COMPLETION_BASE: dict[str, Any] = {"model": MODEL, "prompt": "The capital of Fra
 HERE = "tests/gateway/test_request_fields.py"
 CLIENT_TESTS = "tests/gateway/test_openai_client.py"
 
-# Owned by tool calling (tools, tool_choice, parallel_tool_calls and the deprecated functions / function_call, and the
-# tool-call message shapes): that work declares and tests them; this walk leaves them out.
-TOOL_CALLING = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "tool_calls",
-                          "tool_call_id"})
-TOOL_CALLING_ROLES = frozenset({"tool", "function"})
+TOOLS = "tests/gateway/test_tool_calling.py"
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+# the deprecated functions API's message role: refused (a case of the nested refusals below)
+REFUSED_ROLES = frozenset({"function"})
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,13 @@ CHAT_FIELDS: dict[str, Honoured | OnlyAt | Refused] = {
     "reasoning_effort": OnlyAt("none", "high"),
     "prompt_cache_options": OnlyAt({"mode": "implicit"}, {"mode": "explicit"}),
     "prompt_cache_retention": OnlyAt("in_memory", "24h"),
+    "tools": Honoured(f"{TOOLS}::test_forced_call_round_trip_ends_in_a_text_answer", {"tools": [TOOL]}),
+    "tool_choice": Honoured(f"{TOOLS}::test_forced_call_round_trip_ends_in_a_text_answer",
+                            {"tools": [TOOL], "tool_choice": "required"}),
+    "parallel_tool_calls": Honoured(f"{TOOLS}::test_required_calls_validate_against_their_schemas_greedy_and_sampled",
+                                    {"tools": [TOOL], "parallel_tool_calls": False}),
+    "functions": Refused([TOOL["function"]]),
+    "function_call": Refused("auto"),
     "audio": Refused({"voice": "alloy", "format": "mp3"}),
     "prediction": Refused({"type": "content", "content": "Paris"}),
     "web_search_options": Refused({}),
@@ -129,6 +135,9 @@ MESSAGE_KEYS: dict[str, Honoured | Refused] = {
     "content": Honoured(f"{CLIENT_TESTS}::test_chat_plain_records_usage_and_cost"),
     "name": Honoured(f"{HERE}::test_a_speakers_name_reaches_the_prompt"),
     "refusal": Honoured(f"{HERE}::test_a_response_message_replays_in_the_history"),
+    "tool_calls": Honoured(f"{TOOLS}::test_forced_call_round_trip_ends_in_a_text_answer"),
+    "tool_call_id": Honoured(f"{TOOLS}::test_forced_call_round_trip_ends_in_a_text_answer"),
+    "function_call": Refused({"name": "get_time", "arguments": "{}"}),  # the deprecated functions API
     "audio": Refused({"id": "audio_abc"}),
 }
 PART_TYPES: dict[str, Honoured | Refused] = {
@@ -177,13 +186,13 @@ def assert_refused(call: Any, param: str) -> None:
                          ids=["chat", "completions"])
 def test_every_field_the_sdk_sends_is_classified(sdk, table):
     sent = keys_of(sdk.CompletionCreateParamsStreaming) | keys_of(sdk.CompletionCreateParamsNonStreaming)
-    assert sent - TOOL_CALLING == set(table)
+    assert sent == set(table)
 
 
 def test_every_nested_key_the_sdk_sends_is_classified():
     for message in typing.get_args(ChatCompletionMessageParam):
-        if literal(message, "role") not in TOOL_CALLING_ROLES:
-            assert keys_of(message) - TOOL_CALLING <= set(MESSAGE_KEYS), message.__name__
+        if literal(message, "role") not in REFUSED_ROLES:
+            assert keys_of(message) <= set(MESSAGE_KEYS), message.__name__
     parts = typing.get_args(ChatCompletionContentPartParam) + typing.get_args(ContentArrayOfContentPart)
     assert {literal(p, "type") for p in parts} == set(PART_TYPES)
     text_part = next(p for p in parts if literal(p, "type") == "text")
@@ -237,6 +246,10 @@ def test_a_field_no_openai_api_has_is_a_400_naming_it(client, endpoint):
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "assistant", "content": "Hi", "audio": {"id": "a1"}}, *ASK]}, "messages.0.audio"),
     ({"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages.0.mood"),
+    ({"messages": [{"role": "assistant", "function_call": MESSAGE_KEYS["function_call"].value}, *ASK]},
+     "messages.0.function_call"),
+    *[({"messages": [{"role": role, "name": "get_time", "content": "12:00"}]}, "messages.0.role")
+      for role in REFUSED_ROLES],
     *[({"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, rule.value]}]},
        "messages.0.content.1.type") for rule in PART_TYPES.values() if isinstance(rule, Refused)],
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "prompt_cache_breakpoint": {
