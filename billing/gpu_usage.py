@@ -1,5 +1,7 @@
-"""GPU (replica) time per model and day from ReplicaInterval rows: alive hours, busy hours and the
-idle rate (the share of alive time in which the engine had no work) that `platform usage --gpu` shows;
+"""GPU (replica) time per model and day from ReplicaInterval rows: alive hours (busy + idle + asleep), busy,
+idle and asleep hours, and the idle rate (the share of the awake time, busy + idle, in which the engine had no
+work) that `platform usage --gpu` shows; an asleep replica has given its GPU memory back, so its cost counts the
+awake hours only;
 per tenant from their GpuShare rows (`platform usage --gpu --by tenant`, the dashboard's GPU page)."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant
 from billing.money import dollars
 from billing.report_query import day_of, within
 
-COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
+COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "asleep_h", "idle_rate", "gpu_cost_usd"]
 
 
 def _filtered(q: Select, model: str | None, since: datetime | None, until: datetime | None) -> Select:
@@ -31,12 +33,13 @@ def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime
                     until: datetime | None = None) -> pd.DataFrame:
     """One row per (day, model); an interval counts on the day it starts (rows span one flush period)."""
     day = day_of(ReplicaInterval.start).label("day")
-    alive = func.sum(ReplicaInterval.busy_s + ReplicaInterval.idle_s)
+    awake = func.sum(ReplicaInterval.busy_s + ReplicaInterval.idle_s)
     q = (
         select(day, ReplicaInterval.model.label("model"),
                func.count(func.distinct(ReplicaInterval.replica)).label("replicas"),
-               func.coalesce(alive, 0.0).label("alive_s"),
+               func.coalesce(awake, 0.0).label("awake_s"),
                func.coalesce(func.sum(ReplicaInterval.busy_s), 0.0).label("busy_s"),
+               func.coalesce(func.sum(ReplicaInterval.asleep_s), 0.0).label("asleep_s"),
                func.max(ModelDeployment.gpu_hour).label("gpu_hour"))
         .select_from(ReplicaInterval)
         .outerjoin(ModelDeployment, ModelDeployment.name == ReplicaInterval.model)
@@ -45,14 +48,16 @@ def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime
     )
     with engine.connect() as conn:
         rows = conn.execute(_filtered(q, model, since, until)).mappings().all()
-    frame = pd.DataFrame(rows, columns=["day", "model", "replicas", "alive_s", "busy_s", "gpu_hour"])
+    frame = pd.DataFrame(rows, columns=["day", "model", "replicas", "awake_s", "busy_s", "asleep_s", "gpu_hour"])
     out = pd.DataFrame({"day": frame["day"], "model": frame["model"],
                         "replicas": frame["replicas"].astype("int64")})
-    out["alive_h"] = frame["alive_s"].astype("float64") / 3600.0
+    awake_h = frame["awake_s"].astype("float64") / 3600.0
+    out["asleep_h"] = frame["asleep_s"].astype("float64") / 3600.0
+    out["alive_h"] = awake_h + out["asleep_h"]
     out["busy_h"] = frame["busy_s"].astype("float64") / 3600.0
-    out["idle_h"] = out["alive_h"] - out["busy_h"]
-    out["idle_rate"] = (out["idle_h"] / out["alive_h"]).where(out["alive_h"] > 0, 0.0)
-    out["gpu_cost_usd"] = out["alive_h"] * frame["gpu_hour"].fillna(0.0).astype("float64")
+    out["idle_h"] = awake_h - out["busy_h"]
+    out["idle_rate"] = (out["idle_h"] / awake_h).where(awake_h > 0, 0.0)
+    out["gpu_cost_usd"] = awake_h * frame["gpu_hour"].fillna(0.0).astype("float64")
     return out[COLUMNS]
 
 
