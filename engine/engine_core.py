@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
+from engine.errors import EngineAsleepError, EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import Delta
-from engine.sleep import EngineAsleepError
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -33,6 +33,7 @@ class BuiltModel:
 
 def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                 tp: TensorParallel = SINGLE) -> BuiltModel:
+    baseline_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     loaded = load_model(config.model, device, dtype, config.tokenizer)
     model_config = loaded.config
     max_model_len = choose_max_model_len(config, model_config)
@@ -41,7 +42,8 @@ def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     tokenizer = loaded.tokenizer
     eos = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
     eos |= frozenset(model_config.eos_token_ids)
-    runner = ModelRunner(config, model_config, model, device, dtype, max_model_len, eos, tp, lora)
+    runner = ModelRunner(config, model_config, model, device, dtype, max_model_len, eos, tp, lora,
+                         baseline_free)
     return BuiltModel(model_config, tokenizer, max_model_len, eos, runner)
 
 

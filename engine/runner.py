@@ -37,6 +37,8 @@ from kernels.kv_layout import new_kv_cache
 
 log = logging.getLogger(__name__)
 
+FREE_MARGIN_BYTES = 256 << 20  # left free on the device after the KV pool (allocator slack, other processes)
+
 
 class TokenPath(enum.Enum):
     SAMPLED = "sampled"  # the logits' rows through the sampler, read now
@@ -67,9 +69,13 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         tp: TensorParallel = SINGLE,
         lora: LoRAManager | None = None,
+        baseline_free: int | None = None,
     ) -> None:
+        """`baseline_free`: the device's free bytes before this engine loaded anything (CUDA), so that its KV pool
+        is sized from its own share of the GPU."""
         self.config = config
         self.lora = lora  # adapters applied beside the model's projections (engine/lora/), when max_loras > 0
+        self.baseline_free = baseline_free
         self.tp = tp
         self.model_config = model_config
         self.model = model
@@ -166,9 +172,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits, meta
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
+        # gpu_memory_utilization is this engine's share of the GPU (as vLLM's): what it took since it began
+        # loading counts, not what other processes (models sharing the GPU) hold; never more than is free
+        used = total - free if self.baseline_free is None else max(0, self.baseline_free - free)
         peak, current = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
-        budget = int(total * self.config.gpu_memory_utilization - used - peak + current)
+        budget = int(min(total * self.config.gpu_memory_utilization - used, free - FREE_MARGIN_BYTES) - peak + current)
         if budget < self.bytes_per_block:
             raise ValueError(
                 "gpu_memory_utilization: no memory left for the KV cache after loading the model "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import EngineAsleepError
 from engine.weight_offload import WeightOffload
 
 if TYPE_CHECKING:
@@ -23,11 +24,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+__all__ = ["EngineAsleepError", "EngineSleep", "SLEEP_LEVELS"]
+
 SLEEP_LEVELS = (1, 2)
-
-
-class EngineAsleepError(RuntimeError):
-    """A step was asked of a sleeping engine, or a request waited longer than allowed for it to wake."""
 
 
 class EngineSleep:

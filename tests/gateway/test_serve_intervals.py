@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -75,7 +76,7 @@ def test_asleep_time_is_its_own_column_billed_to_no_one_and_not_idle(db) -> None
     rec.flush()
     rows = _rows(db)
     for row in rows:
-        span = Decimal(round((row.end - row.start).total_seconds() * 1_000_000)).scaleb(-6)
+        span = Decimal((row.end - row.start) // timedelta(microseconds=1)).scaleb(-6)
         assert row.busy_s + row.idle_s + row.asleep_s == span
     assert rows[0].busy_s == Decimal(600) and rows[0].asleep_s == Decimal(1800)
     assert rows[1].idle_s == 0 and rows[1].asleep_s > 0
