@@ -119,3 +119,20 @@ def test_sleep_returns_the_gpu_memory_and_wake_recaptures_the_graphs(tiny_llama_
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     assert _greedy(llm, prompts) == before
     assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_two_engines_share_one_gpu_each_in_its_memory_share_and_take_turns_awake():
+    shape = dict(device="cuda", max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
+    first, second = LLM("random:llama-1b", **shape), LLM("random:llama-1b", **shape)
+    # each sized its KV pool from its own share, not from what the other one holds
+    assert second.engine.runner.num_blocks >= 0.8 * first.engine.runner.num_blocks
+    prompt = [list(range(5, 40))]
+    expected = [_greedy(first, prompt), _greedy(second, prompt)]
+    for _ in range(2):
+        first.sleep(1)
+        assert _greedy(second, prompt) == expected[1]
+        second.sleep(1)
+        first.wake()
+        assert _greedy(first, prompt) == expected[0]
+    assert first.engine.kv.num_used_blocks == second.engine.kv.num_used_blocks == 0
