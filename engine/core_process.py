@@ -87,18 +87,19 @@ class ProcessCore:
 
     def sleep(self, level: int) -> int:
         """Puts the idle engine to sleep in the child (engine/sleep.py); its sleep level after."""
-        return self._call("sleep", level)
+        return self._command("sleep", level)
 
     def wake(self) -> float:
         """Wakes the engine in the child; the seconds it took."""
-        return self._call("wake", None)
+        return self._command("wake", None)
 
     @property
     def sleep_level(self) -> int:
         return int(self.stats().get("sleep_level", 0))
 
-    def _call(self, kind: str, arg: Any) -> Any:
-        """Runs a command in the child between its steps and waits for its answer (or raises its error)."""
+    def _command(self, kind: str, arg: Any) -> Any:
+        """Runs a sleep / wake command in the child between its steps and waits for its answer (or raises its
+        error)."""
         if self._dead:
             raise EngineDeadError("the engine core process has ended")
         token, done = next(self._stats_ids), Future()

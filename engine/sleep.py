@@ -46,6 +46,8 @@ class EngineSleep:
             raise ValueError("sleep: not supported with speculative decoding (this engine's speculative_config)")
         if engine.workers is not None:
             raise ValueError("sleep: not supported with tensor_parallel_size > 1")
+        if engine.runner.lora is not None:  # its adapters' device slots are filled at run time
+            raise ValueError("sleep: not supported with LoRA adapters (max_loras > 0)")
 
     def sleep(self, level: int) -> None:
         """Puts the idle engine to sleep at `level`, or deeper if it sleeps already (1 -> 2 drops the host copy).

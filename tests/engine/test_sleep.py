@@ -136,3 +136,10 @@ def test_two_engines_share_one_gpu_each_in_its_memory_share_and_take_turns_awake
         first.wake()
         assert _greedy(first, prompt) == expected[0]
     assert first.engine.kv.num_used_blocks == second.engine.kv.num_used_blocks == 0
+
+
+def test_sleep_is_refused_with_lora_adapters_naming_why(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=16, max_num_seqs=2, max_loras=1)
+    with pytest.raises(ValueError, match="sleep: not supported with LoRA"):
+        llm.sleep(1)
+    assert llm.engine.sleep_level == 0
