@@ -53,6 +53,8 @@ step serve_1b 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --d
   --request-rate inf,0.7x --client-procs 6 --json "$RESULTS/serve_1b.json" --chart "$RESULTS/serve_1b.svg"
 step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --device cuda \
   --json "$RESULTS/engine_start_8b.json"
+# sleep / wake and loading from disk (issue 36): read rates cold and warm, wakes from both levels, a fresh process
+step wake_8b 240 "$PY" -m bench.wake --model random:llama-8b --device cuda --repeats 3 --json "$RESULTS/wake_8b.json"
 step overlap_8b 60 "$PY" -m bench.overlap_profile --model random:llama-8b --device cuda --json "$RESULTS/overlap_8b.json"
 step quantization_8b 130 "$PY" -m bench.quantization_speed --model random:llama-8b --device cuda --output-len 128 \
   --json "$RESULTS/quantization_8b.json"
@@ -106,7 +108,9 @@ keys = ("tok_s", "hf_tok_s", "ratio", "ratio_to_offline", "decode_tok_s", "mbu",
         "int8_speedup", "int4_speedup", "fp8_speedup", "kv_fp8_block_ratio", "gemm_speedup",
         "triton_decode.fraction_of_copy_bandwidth", "speedup_vs_sdpa", "verify_overhead", "upper_bound_speedup",
         "nccl_graph_us", "wall_ms_per_step", "kernel_ms_per_step",
-        "per_link_us.fused.best", "per_link_us.nccl.best", "per_link_us.local.best")
+        "per_link_us.fused.best", "per_link_us.nccl.best", "per_link_us.local.best",
+        "best.wake_level1_seconds", "best.wake_level2_cold_seconds", "best.fresh_process_seconds",
+        "best.engine_reader_cold_gb_per_s")
 fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
 name = lambda k: "_".join(k.split(".")[-2:]) if k.startswith("per_link_us.") else k.split(".")[-1]
 print("  ".join(f"{name(k)}={fmt(flat[k])}" for k in keys if k in flat))

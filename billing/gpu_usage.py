@@ -1,5 +1,7 @@
-"""GPU (replica) time per model and day from ReplicaInterval rows: alive hours, busy hours and the
-idle rate (the share of alive time in which the engine had no work) that `platform usage --gpu` shows;
+"""GPU (replica) time per model and day from ReplicaInterval rows: alive hours (busy + idle + asleep), busy,
+idle and asleep hours, and the idle rate (the share of the awake time, busy + idle, in which the engine had no
+work) that `platform usage --gpu` shows; an asleep replica has given its GPU memory back, so its cost counts the
+awake hours only;
 per tenant from their GpuShare rows (`platform usage --gpu --by tenant`, the dashboard's GPU page)."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from billing.models import GpuShare, ReplicaInterval, Tenant
 from billing.money import dollars
 from billing.report_query import day_of, within
 
-COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "idle_rate", "gpu_cost_usd"]
+COLUMNS = ["day", "model", "replicas", "alive_h", "busy_h", "idle_h", "asleep_h", "idle_rate", "gpu_cost_usd"]
 
 
 def _filtered(q: Select, model: str | None, since: datetime | None, until: datetime | None) -> Select:
@@ -30,30 +32,35 @@ def _filtered(q: Select, model: str | None, since: datetime | None, until: datet
 
 def gpu_usage_frame(engine: Engine, *, model: str | None = None, since: datetime | None = None,
                     until: datetime | None = None) -> pd.DataFrame:
-    """One row per (day, model); an interval counts on the day it starts (rows span one flush period). The
-    GPU cost is exact (Decimal dollars) at the gpu_hour each interval was charged (billing/charged_prices.py)."""
+    """One row per (day, model); an interval counts on the day it starts (rows span one flush period). Alive time
+    is awake (busy + idle) plus asleep; the idle rate and the GPU cost are over the awake time only, the cost exact
+    (Decimal dollars) at the gpu_hour each interval was charged (billing/charged_prices.py)."""
     ri = ReplicaInterval
     day = day_of(ri.start).label("day")
     price = interval_gpu_hour()
-    q = (select(day, ri.model, price, func.coalesce(func.sum(ri.busy_s + ri.idle_s), 0), func.coalesce(func.sum(ri.busy_s), 0))
+    q = (select(day, ri.model, price, func.coalesce(func.sum(ri.busy_s + ri.idle_s), 0),
+                func.coalesce(func.sum(ri.busy_s), 0), func.coalesce(func.sum(ri.asleep_s), 0))
          .select_from(ri).group_by(day, ri.model, price))
     replicas = select(day, ri.model, func.count(func.distinct(ri.replica))).group_by(day, ri.model)
     sums: dict[tuple[str, str], list[Decimal]] = {}
     with engine.connect() as conn:
-        for d, m, per_hour, alive, busy in conn.execute(_filtered(join_list_prices(q, ri.model), model, since, until)):
-            row = sums.setdefault((d, m), [Decimal(0), Decimal(0), Decimal(0)])
-            row[0] += alive
+        for d, m, per_hour, awake, busy, asleep in conn.execute(_filtered(join_list_prices(q, ri.model), model,
+                                                                          since, until)):
+            row = sums.setdefault((d, m), [Decimal(0)] * 4)
+            row[0] += awake
             row[1] += busy
-            row[2] += alive * per_hour / HOUR
+            row[2] += asleep
+            row[3] += awake * per_hour / HOUR
         counts = {(d, m): n for d, m, n in conn.execute(_filtered(replicas, model, since, until))}
     rows = []
-    for (d, m), (alive, busy, cost) in sorted(sums.items()):
-        rows.append({"day": d, "model": m, "replicas": int(counts.get((d, m), 0)), "alive_h": float(alive / HOUR),
-                     "busy_h": float(busy / HOUR), "idle_h": float((alive - busy) / HOUR),
-                     "idle_rate": float((alive - busy) / alive) if alive > 0 else 0.0, "gpu_cost_usd": dollars(cost)})
+    for (d, m), (awake, busy, asleep, cost) in sorted(sums.items()):
+        rows.append({"day": d, "model": m, "replicas": int(counts.get((d, m), 0)),
+                     "alive_h": float((awake + asleep) / HOUR), "busy_h": float(busy / HOUR),
+                     "idle_h": float((awake - busy) / HOUR), "asleep_h": float(asleep / HOUR),
+                     "idle_rate": float((awake - busy) / awake) if awake > 0 else 0.0, "gpu_cost_usd": dollars(cost)})
     out = pd.DataFrame(rows, columns=COLUMNS)
     out["replicas"] = out["replicas"].astype("int64")
-    for c in ("alive_h", "busy_h", "idle_h", "idle_rate"):
+    for c in ("alive_h", "busy_h", "idle_h", "asleep_h", "idle_rate"):
         out[c] = out[c].astype("float64")
     out["gpu_cost_usd"] = out["gpu_cost_usd"].astype("object")
     return out[COLUMNS]

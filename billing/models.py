@@ -137,9 +137,11 @@ class ReplicaInterval(Base):
     replica: Mapped[str] = mapped_column(String(200))
     start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # exact microseconds: busy_s + idle_s is the row's span, and its GpuShare rows add up to each
+    # exact microseconds: busy_s + idle_s + asleep_s is the row's span, and its GpuShare rows add up to busy_s and
+    # idle_s; asleep_s is time the engine slept (engine/sleep.py) with its GPU memory given back: billed to no one
     busy_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
     idle_s: Mapped[Decimal] = mapped_column(Seconds(), default=0)
+    asleep_s: Mapped[Decimal] = mapped_column(Seconds(), default=0, server_default="0")
     # the model's gpu_hour price when the row was written (see UsageEvent.input_per_1m)
     gpu_hour: Mapped[Decimal | None] = mapped_column(Money())
 

@@ -1,7 +1,8 @@
 """Alive and busy time of one model replica, written as ReplicaInterval rows with their GpuShare rows (per
 tenant, billing/gpu_shares.py): one row per flush covering [previous flush, now] in whole microseconds, so
 the rows of a replica tile its life without gaps or overlap. busy_s is the engine's busy-time delta over
-the row (at most its span); idle_s is the rest of the span."""
+the row (at most its span); asleep_s its asleep-time delta (engine/sleep.py: its GPU memory given back, billed
+to no one), at most what busy time leaves; idle_s is the rest of the span."""
 
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ def _at(us: int) -> datetime:
 
 class IntervalRecorder:
     def __init__(self, db: Engine, model: str, replica: str, busy: Callable[[], BusyTotals], *,
-                 flush_every_s: float = 60.0, started_at: float | None = None) -> None:
+                 flush_every_s: float = 60.0, started_at: float | None = None,
+                 asleep: Callable[[], float] | None = None) -> None:
+        """`asleep`: the engine's asleep seconds since it started (none: it never sleeps)."""
         self._db = db
         self._model = model
         self._replica = replica
         self._busy = busy
+        self._asleep = asleep
+        self._last_asleep_us = 0
         self._flush_every_s = flush_every_s
         self._lock = threading.Lock()
         self._last_us = _micros(time.time() if started_at is None else started_at)
@@ -64,10 +69,14 @@ class IntervalRecorder:
             span = max(0, now_us - self._last_us)
             # busy time beyond the row's span (sampled a moment apart) carries into the next row
             busy = min(span, max(0, _micros(busy_total) - self._last_busy_us))
+            asleep_total = _micros(self._asleep()) if self._asleep is not None else 0
+            asleep = min(span - busy, max(0, asleep_total - self._last_asleep_us))
+            idle = span - busy - asleep
             grew = {a: v - self._last_by.get(a, 0.0) for a, v in by_account.items()}
-            shares = split_interval(busy, span - busy, grew)
+            shares = split_interval(busy, idle, grew)
             row = {"model": self._model, "replica": self._replica, "start": _at(self._last_us),
-                   "end": _at(self._last_us + span), "busy_s": _seconds(busy), "idle_s": _seconds(span - busy)}
+                   "end": _at(self._last_us + span), "busy_s": _seconds(busy), "idle_s": _seconds(idle),
+                   "asleep_s": _seconds(asleep)}
             try:
                 with self._db.begin() as conn:
                     # priced at the model's gpu_hour now, kept with the row (billing/charged_prices.py)
@@ -83,6 +92,7 @@ class IntervalRecorder:
                 return
             self._last_us += span
             self._last_busy_us += busy
+            self._last_asleep_us += asleep
             self._last_by = dict(by_account)
             self.rows_written += 1
 

@@ -159,6 +159,21 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self.core.stats()
 
+    async def sleep(self, level: int = 1) -> int:
+        """Gives the device memory back (engine/sleep.py) once the engine is idle; its sleep level after. A
+        ValueError while requests run. Requests that arrive while it sleeps wake it (wake_on_request) or wait for
+        wake() up to sleep_wait_timeout_s."""
+        return await asyncio.to_thread(self.core.sleep, level)
+
+    async def wake(self) -> float:
+        """The weights and the KV pool back; the seconds it took (0.0 when awake)."""
+        return await asyncio.to_thread(self.core.wake)
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level the engine sleeps at."""
+        return self.core.sleep_level
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.core.shutdown(timeout)
 

@@ -73,6 +73,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | None = None
+    # Serving a sleeping engine (engine/sleep.py): a request that arrives wakes it (wake_on_request), or else waits
+    # for an explicit wake; either way one that waits longer than sleep_wait_timeout_s is refused (EngineAsleepError).
+    wake_on_request: bool = True
+    sleep_wait_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         """Every bad field at once: a ValueError with one `field: problem` line each."""
@@ -123,8 +127,10 @@ class EngineConfig:
               f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(_is_number(self.sleep_wait_timeout_s) and self.sleep_wait_timeout_s > 0, "sleep_wait_timeout_s",
+              f"must be positive, got {self.sleep_wait_timeout_s!r}")
         for switch in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "tp_greedy_on_shards",
-                       "tp_fused_norm", "int4_int8_activations"):
+                       "tp_fused_norm", "int4_int8_activations", "wake_on_request"):
             value = getattr(self, switch)
             check(isinstance(value, bool), switch, f"must be true or false, got {value!r}")
         if not problems:

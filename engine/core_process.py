@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -55,6 +56,7 @@ class ProcessCore:
         self._stats_lock = threading.Lock()
         self._stats_reply: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
         self._stats_ids = itertools.count()
+        self._calls: dict[int, Future] = {}  # sleep / wake commands waiting for the child's answer
         self._last_stats: dict[str, Any] = {}
         self._dead = False
         self._reader = threading.Thread(target=self._read, name="tollgate-engine-reader", daemon=True)
@@ -82,6 +84,34 @@ class ProcessCore:
             self._send(("abort", request_id))
         except OSError:
             pass  # the core is gone; its requests went with it
+
+    def sleep(self, level: int) -> int:
+        """Puts the idle engine to sleep in the child (engine/sleep.py); its sleep level after."""
+        return self._command("sleep", level)
+
+    def wake(self) -> float:
+        """Wakes the engine in the child; the seconds it took."""
+        return self._command("wake", None)
+
+    @property
+    def sleep_level(self) -> int:
+        return int(self.stats().get("sleep_level", 0))
+
+    def _command(self, kind: str, arg: Any) -> Any:
+        """Runs a sleep / wake command in the child between its steps and waits for its answer (or raises its
+        error)."""
+        if self._dead:
+            raise EngineDeadError("the engine core process has ended")
+        token, done = next(self._stats_ids), Future()
+        with self._stats_lock:
+            self._calls[token] = done
+        try:
+            self._send((kind, (token, arg)))
+        except OSError as e:
+            with self._stats_lock:
+                self._calls.pop(token, None)
+            raise EngineDeadError("the engine core process has ended") from e
+        return done.result()
 
     def stats(self) -> dict[str, Any]:
         """The core's counters now (asked of the child; it answers between steps)."""
@@ -165,18 +195,35 @@ class ProcessCore:
                         if waiting is not None:
                             waiting[1].update(outcome)
                             waiting[0].set()
+                elif kind == "reply":
+                    token, error, result = payload
+                    with self._stats_lock:
+                        done = self._calls.pop(token, None)
+                    if done is not None and error is not None:
+                        done.set_exception(error)
+                    elif done is not None:
+                        done.set_result(result)
                 elif kind == "stopped":
                     self._last_stats = payload
                     self._dead = True
+                    self._fail_calls()
                     return
                 elif kind == "died":
                     raise payload
         except BaseException as e:  # noqa: BLE001 - EOF (the child died) or its own error: every stream hears
             self._dead = True
+            self._fail_calls()
             if not isinstance(e, EOFError | OSError):
                 log.error("engine core process failed: %r", e)
             self._sink.died(e if not isinstance(e, EOFError | OSError)
                             else EngineDeadError(f"the engine core process ended (exit code {self._process.poll()})"))
+
+
+    def _fail_calls(self) -> None:
+        with self._stats_lock:
+            calls, self._calls = self._calls, {}
+        for done in calls.values():
+            done.set_exception(EngineDeadError("the engine core process has ended"))
 
 
 # ---- child side ---------------------------------------------------------------------------------------------
@@ -242,15 +289,20 @@ def serve(conn: Connection) -> None:
         return
     conn.send(("ready", (engine.model_config.vocab_size, engine.max_model_len)))
     loop = CoreLoop(engine)
-    metrics = engine.metrics
     loads = _AdapterLoads(engine, conn)
     try:
         while True:
             loads.register_loaded()
-            idle_from = time.monotonic() if not loop.has_work else None
-            if idle_from is not None:
-                conn.poll(0.05 if loads.pending else None)
-                metrics.idle_seconds += time.monotonic() - idle_from
+            if not loop.has_work:
+                # asleep with requests: wake for them now, or wait no longer than the first one may
+                timeout = loop.seconds_to_next_deadline()
+                if loads.pending:
+                    timeout = 0.05 if timeout is None else min(timeout, 0.05)
+                wake_now = loop.asleep and engine.has_unfinished_requests() and config.wake_on_request
+                if not wake_now and timeout != 0.0:
+                    idle_from = time.monotonic()
+                    conn.poll(timeout)
+                    loop.count_waiting(time.monotonic() - idle_from)
             aborted: list[Delta] = []
             refusals: list[tuple[str, BaseException]] = []
             while conn.poll():
@@ -267,9 +319,18 @@ def serve(conn: Connection) -> None:
                     conn.send(("stats", (payload, loop.stats(None))))
                 elif kind == "lora":
                     loads.handle(*payload)
+                elif kind in ("sleep", "wake"):
+                    token, arg = payload
+                    try:
+                        result = loop.sleep(arg) if kind == "sleep" else loop.wake()
+                        conn.send(("reply", (token, None, result)))
+                    except Exception as e:  # noqa: BLE001 - the caller raises it
+                        conn.send(("reply", (token, _picklable(e), None)))
                 elif kind == "stop":
                     conn.send(("stopped", loop.stats(None)))
                     return
+            for request_id, error in loop.serve_waiting():
+                refusals.append((request_id, _picklable(error)))
             deltas = aborted + (loop.step() if loop.has_work else [])
             if deltas or refusals:
                 conn.send(("step", (deltas, refusals)))

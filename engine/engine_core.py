@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig, SamplingParams
+from engine.errors import EngineAsleepError, EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import Delta
 from engine.tokenizer import Tokenizer
@@ -68,6 +70,13 @@ class EngineCore(Protocol):
 
     def list_loras(self) -> list[str]: ...
 
+    def sleep(self, level: int) -> int: ...
+
+    def wake(self) -> float: ...
+
+    @property
+    def sleep_level(self) -> int: ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
@@ -91,7 +100,8 @@ class CoreLoop:
         self._counters_lock = counters_lock
 
     def add(self, request: CoreRequest) -> ValueError | None:
-        """Queues the request; the ValueError that refused it, if any."""
+        """Queues the request (a sleeping engine queues it too: it runs after the wake); the ValueError that
+        refused it, if any."""
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
                                     request.arrival_time, cache_salt=request.cache_salt, account=request.account,
@@ -105,7 +115,61 @@ class CoreLoop:
 
     @property
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Requests to step: none while the engine sleeps (they wait for its wake)."""
+        return self.engine.has_unfinished_requests() and not self.engine.sleep_level
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.engine.sleep_level)
+
+    def count_waiting(self, seconds: float) -> None:
+        """Time spent with nothing to step: idle when awake, asleep (not billed as idle) when asleep."""
+        if self.engine.sleep_level:
+            self.engine.metrics.asleep_seconds += seconds
+        else:
+            self.engine.metrics.idle_seconds += seconds
+
+    def sleep(self, level: int) -> int:
+        self.engine.sleep(level)
+        return self.engine.sleep_level
+
+    def wake(self) -> float:
+        return self.engine.wake()
+
+    def serve_waiting(self) -> list[tuple[str, BaseException]]:
+        """For a sleeping engine with requests: wakes it (wake_on_request) and lets them run; otherwise refuses
+        the ones that waited past sleep_wait_timeout_s. A wake that fails refuses every waiting request with the
+        reason. Returns the refusals (their requests already aborted)."""
+        engine = self.engine
+        if not engine.sleep_level or not engine.has_unfinished_requests():
+            return []
+        if engine.config.wake_on_request:
+            try:
+                engine.wake()
+                return []
+            except Exception as e:  # noqa: BLE001 - out of memory, a missing checkpoint: the callers hear it
+                log.exception("waking the engine for a request failed")
+                return self._refuse(list(engine.requests), EngineAsleepError(f"the model could not wake: {e}"))
+        now = time.monotonic()
+        late = [rid for rid, state in engine.requests.items()
+                if now - state.metrics.arrival_time >= engine.config.sleep_wait_timeout_s]
+        return self._refuse(late, EngineAsleepError(
+            f"the model is asleep and did not wake within sleep_wait_timeout_s={engine.config.sleep_wait_timeout_s:g}"
+            " s; retry later"))
+
+    def _refuse(self, request_ids: list[str], error: BaseException) -> list[tuple[str, BaseException]]:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        return [(request_id, error) for request_id in request_ids]
+
+    def seconds_to_next_deadline(self) -> float | None:
+        """While asleep with waiting requests (and no wake on request): how long until the first of them has
+        waited sleep_wait_timeout_s; None when nothing waits on a clock."""
+        engine = self.engine
+        if not engine.sleep_level or not engine.has_unfinished_requests():
+            return None
+        first = min(state.metrics.arrival_time for state in engine.requests.values())
+        return max(0.0, first + engine.config.sleep_wait_timeout_s - time.monotonic())
 
     def step(self) -> list[Delta]:
         """One step, its wall time counted busy and split over the accounts in it."""
@@ -121,14 +185,14 @@ class CoreLoop:
 
     def stats(self, idle_since: float | None) -> dict[str, Any]:
         snap = self.engine.stats()
-        if idle_since is not None:  # the idle spell going on now counts too
-            snap["idle_seconds"] += time.monotonic() - idle_since
+        if idle_since is not None:  # the idle (or asleep) spell going on now counts too
+            snap["asleep_seconds" if self.asleep else "idle_seconds"] += time.monotonic() - idle_since
         return snap
 
 
 class ThreadCore:
-    """The core in a background thread of this process. Requests and aborts reach it through a lock-protected
-    inbox, taken between steps."""
+    """The core in a background thread of this process. Requests, aborts and sleep / wake commands reach it through
+    a lock-protected inbox, taken between steps."""
 
     def __init__(self, engine: LLMEngine, sink: CoreSink) -> None:
         self.engine = engine
@@ -163,8 +227,28 @@ class ThreadCore:
         with self._lock:
             return self.engine.list_loras()
 
+    def sleep(self, level: int) -> int:
+        """Puts the idle engine to sleep (engine/sleep.py) between steps; its sleep level after. ValueError when
+        requests are unfinished."""
+        return self._command("sleep", level)
+
+    def wake(self) -> float:
+        """Wakes the engine between steps; the seconds it took (0.0 when awake)."""
+        return self._command("wake", None)
+
+    @property
+    def sleep_level(self) -> int:
+        return self.engine.sleep_level
+
+    def _command(self, kind: str, arg: Any) -> Any:
+        done: Future = Future()
+        self._post(kind, (arg, done))
+        return done.result()
+
     def _post(self, kind: str, payload: Any) -> None:
         with self._lock:
+            if self._stopped and kind in ("sleep", "wake"):
+                raise EngineDeadError("the engine core has stopped")
             self._inbox.append((kind, payload))
             self._wakeup.notify()
 
@@ -180,10 +264,11 @@ class ThreadCore:
         if not self._thread.is_alive():
             self.engine.close()
 
-    def _take_inbox(self) -> list[Delta]:
-        """Applies the inbox (under the lock); returns the outputs of the aborted requests."""
+    def _take_inbox(self) -> tuple[list[Delta], list[tuple[str, Any]]]:
+        """Applies the inbox's requests and aborts (under the lock); returns the outputs of the aborted requests
+        and the sleep / wake commands, which run outside the lock."""
         inbox, self._inbox = self._inbox, []
-        aborted = []
+        aborted, commands = [], []
         for kind, payload in inbox:
             if kind == "add":
                 error = self._loop.add(payload)
@@ -195,30 +280,56 @@ class ThreadCore:
                     call()
                 finally:
                     done.set()
-            else:
+            elif kind == "abort":
                 out = self._loop.abort(payload)
                 if out is not None:
                     aborted.append(out)
-        return aborted
+            else:
+                commands.append((kind, payload))
+        return aborted, commands
+
+    def _run_command(self, kind: str, payload: Any) -> None:
+        arg, done = payload
+        try:
+            done.set_result(self._loop.sleep(arg) if kind == "sleep" else self._loop.wake())
+        except BaseException as e:  # noqa: BLE001 - the caller raises it
+            done.set_exception(e)
 
     def _run(self) -> None:
-        metrics = self.engine.metrics
+        leftover: list[tuple[str, Any]] = []
         try:
             while True:
                 idle_from = time.monotonic()
                 with self._lock:
                     self._idle_since = idle_from
                     while not self._stopped and not self._inbox and not self._loop.has_work:
-                        self._wakeup.wait()
+                        timeout = self._loop.seconds_to_next_deadline()
+                        if timeout == 0.0 or (self._loop.asleep and self.engine.has_unfinished_requests()
+                                              and self.engine.config.wake_on_request):
+                            break
+                        self._wakeup.wait(timeout)
                     self._idle_since = None
-                    metrics.idle_seconds += time.monotonic() - idle_from
+                    self._loop.count_waiting(time.monotonic() - idle_from)
                     if self._stopped:
-                        return
-                    deltas = self._take_inbox()
+                        leftover, self._inbox = self._inbox, []
+                        break
+                    deltas, commands = self._take_inbox()
+                for kind, payload in commands:
+                    self._run_command(kind, payload)
+                for request_id, error in self._loop.serve_waiting():
+                    self._sink.refused(request_id, error)
                 if self._loop.has_work:
                     deltas += self._loop.step()
                 if deltas:
                     self._sink.deltas(deltas)
         except BaseException as exc:  # noqa: BLE001 - every waiting consumer must hear about it
             log.exception("engine loop failed")
+            with self._lock:
+                self._stopped = True
+                leftover, self._inbox = self._inbox, []
             self._sink.died(exc)
+        for kind, payload in leftover:  # callers still waiting get an error (or their event) rather than a hang
+            if kind in ("sleep", "wake"):
+                payload[1].set_exception(EngineDeadError("the engine core has stopped"))
+            elif kind == "call":
+                payload[1].set()

@@ -29,3 +29,8 @@ class PromptTooLongError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine's background loop failed; the request cannot be served."""
+
+
+class EngineAsleepError(RuntimeError):
+    """A step was asked of a sleeping engine (engine/sleep.py), or a request waited longer than
+    sleep_wait_timeout_s for it to wake."""

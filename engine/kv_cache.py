@@ -191,6 +191,15 @@ class KVCacheManager:
             self.pool.release(list(reversed(seq.block_ids[keep:])))
             del seq.block_ids[keep:]
 
+    def forget_cached_blocks(self) -> None:
+        """Empties the prefix cache (the pool's contents are about to be lost: a sleeping engine frees it). Every
+        block must be free: a block still held is a leak, raised here rather than carried across the sleep."""
+        if self.num_used_blocks:
+            raise RuntimeError(f"KV cache: {self.num_used_blocks} blocks are still held by finished requests")
+        for block in self.pool.blocks:
+            self.pool._uncache(block)
+        self.pool.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+
     def free(self, seq: Sequence) -> None:
         # the tail blocks go first into the free queue, so they are evicted before the shared prefix
         self.pool.release(list(reversed(seq.block_ids)))

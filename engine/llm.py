@@ -26,6 +26,14 @@ class LLM:
         """Stops tensor-parallel worker processes; a single-process LLM holds nothing that needs closing."""
         self.engine.close()
 
+    def sleep(self, level: int = 1) -> None:
+        """LLMEngine.sleep: the device memory back (level 1 keeps the weights on the host, level 2 drops them)."""
+        self.engine.sleep(level)
+
+    def wake(self) -> float:
+        """LLMEngine.wake; the seconds it took. generate() on a sleeping LLM wakes it first."""
+        return self.engine.wake()
+
     def __enter__(self) -> "LLM":
         return self
 
@@ -57,6 +65,7 @@ class LLM:
         for prompt, name in zip(batch, loras):  # validate everything before queueing anything
             self.engine.encode_prompt(prompt)
             self.engine.resolve_lora(name)
+        self.engine.wake()
         ids = []
         for i, (prompt, p) in enumerate(zip(batch, param_list)):
             request_id = f"llm-{self._next_id}"

@@ -25,6 +25,7 @@ from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.runner import LaunchedStep
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sleep import EngineAsleepError, EngineSleep
 from engine.sequence import SampledToken, Sequence
 from engine.tokenizer import encode_prompt
 from engine.spec_decode.speculator import make_speculator
@@ -84,6 +85,7 @@ class LLMEngine:
         self.overlap = config.async_scheduling and self.speculator is None
         self.in_flight: DeferredTokens | None = None  # the last step's tokens, sampled but not read yet
         self.step_tokens_by_account: Counter[str | None] = Counter()  # of the last step that launched a batch
+        self.sleep_mode = EngineSleep(self)
         self.load_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks", self.load_seconds, self.max_model_len,
                  self.runner.num_blocks)
@@ -229,6 +231,8 @@ class LLMEngine:
 
     def _advance(self) -> DeferredTokens | None:
         """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
+        if self.sleep_mode.level:
+            raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
         batch = self._schedule()
         previous = self.in_flight
         launched = self._launch(batch, previous)
@@ -319,6 +323,23 @@ class LLMEngine:
         self.metrics.spec_accepted_tokens += num_kept
         seq.spec_token_ids, seq.spec_draft_probs = [], None
 
+    # ---- sleep (engine/sleep.py) ----------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives the device memory back: level 1 keeps the weights in host memory, level 2 drops them (reloaded
+        from the model's source on wake). Only an idle engine sleeps; requests added while it sleeps wait for
+        wake()."""
+        self.sleep_mode.sleep(level)
+
+    def wake(self) -> float:
+        """Weights, KV pool and CUDA graphs back; the seconds it took (0.0 when awake)."""
+        return self.sleep_mode.wake()
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level it sleeps at."""
+        return self.sleep_mode.level
+
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any. A single-process engine needs no closing."""
         workers, self.workers = self.workers, None
@@ -337,5 +358,7 @@ class LLMEngine:
             self.kv.num_used_blocks, self.kv.num_blocks, len(self.scheduler.running), len(self.scheduler.waiting)
         )
         snap["load_seconds"] = self.load_seconds
+        snap["sleep_level"] = self.sleep_mode.level
+        snap["last_wake_seconds"] = self.sleep_mode.last_wake_seconds
         return snap
 

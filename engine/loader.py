@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -15,10 +15,12 @@ from safetensors import safe_open
 
 from engine.model_config import ModelConfig, parameter_shapes, token_id_tuple
 from engine.quantization.checkpoint import CheckpointQuantization, checkpoint_shapes, parse_quantization_config
+from engine.safetensors_reader import iter_safetensors
 from engine.random_models import random_model_config, random_weights
 from engine.tokenizer import Tokenizer
 
 _RANDOM_PREFIX = "random:"
+_TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tollgate-tokenizer")
 _PACKAGE_PREFIX = "pkg:"
 _INDEX_FILE = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not weights.
@@ -27,13 +29,28 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
-@dataclass
 class LoadedModel:
-    config: ModelConfig
-    weights: Iterator[tuple[str, torch.Tensor]]
-    tokenizer: Tokenizer | None
-    source: str
-    quantization: CheckpointQuantization | None = None  # an AWQ / GPTQ checkpoint's own
+    """A model's config, its weights (an iterator that reads them as it goes) and its tokenizer, which may still
+    be loading in a thread while the weights are read: reading `tokenizer` waits for it."""
+
+    def __init__(self, config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]],
+                 tokenizer: Tokenizer | None | Future, source: str,
+                 quantization: CheckpointQuantization | None = None) -> None:
+        self.config = config
+        self.weights = weights
+        self._tokenizer = tokenizer
+        self.source = source
+        self.quantization = quantization  # an AWQ / GPTQ checkpoint's own
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        if isinstance(self._tokenizer, Future):
+            self._tokenizer = self._tokenizer.result()
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
 
 
 def resolve_model_source(source: str) -> str:
@@ -57,9 +74,14 @@ def resolve_model_source(source: str) -> str:
 
 
 def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
-               tokenizer_source: str | None = None) -> LoadedModel:
+               tokenizer_source: str | None = None, load_tokenizer: bool = True) -> LoadedModel:
+    """The tokenizer loads in a thread of its own while the caller reads the weights; without load_tokenizer
+    (a model loaded again, whose tokenizer the caller has) it is None."""
     resolved = resolve_model_source(source)
     tokenizer_path = resolve_tokenizer_source(tokenizer_source) if tokenizer_source else None
+    tokenizer: Tokenizer | None | Future = None
+    if load_tokenizer:
+        tokenizer = _TOKENIZER_THREAD.submit(_tokenizer, resolved, tokenizer_path, tokenizer_source)
     quantization = None
     if resolved.startswith(_RANDOM_PREFIX):
         config = random_model_config(resolved[len(_RANDOM_PREFIX):])
@@ -70,7 +92,6 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
         from engine.gguf_loader import load_gguf
 
         config, weights = load_gguf(resolved, device, dtype)
-    tokenizer = _tokenizer(resolved, tokenizer_path, tokenizer_source)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved,
                        quantization=quantization)
 
@@ -174,14 +195,13 @@ def _load_directory(path: str, device: torch.device | str, dtype: torch.dtype
 
 def _iter_safetensors(names_by_file: dict[str, list[str]], device: torch.device | str, dtype: torch.dtype
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    for file, names in names_by_file.items():
-        try:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for name in names:
-                    tensor = f.get_tensor(name)
-                    yield name, tensor if name.endswith(_QUANTIZED_SUFFIXES) else tensor.to(dtype)
-        except (OSError, RuntimeError) as e:
-            raise ValueError(f"{file}: cannot read tensors: {e}") from e
+    """The tensors in file order, read in large chunks (engine/safetensors_reader.py)."""
+    files = list(names_by_file)
+    try:
+        for name, tensor in iter_safetensors(files, {f: set(n) for f, n in names_by_file.items()}, device):
+            yield name, tensor if name.endswith(_QUANTIZED_SUFFIXES) else tensor.to(dtype)
+    except OSError as e:
+        raise ValueError(f"{e.filename or files[0]}: cannot read tensors: {e}") from e
 
 
 def _read_json(file: str, what: str) -> Any:

@@ -25,6 +25,7 @@ class EngineMetrics:
     num_preemptions: int = 0
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0
+    asleep_seconds: float = 0.0  # time with nothing to do spent asleep (engine/sleep.py): not idle on the GPU
     # busy_seconds split over the requests' accounts by their tokens in each step (LLMEngine._count_step_tokens)
     busy_seconds_by_account: dict[str | None, float] = field(default_factory=dict)
     # speculative decoding: sequence-steps that verified drafts, draft tokens verified, draft tokens kept
@@ -69,6 +70,7 @@ class EngineMetrics:
             "busy_seconds": self.busy_seconds,
             "busy_seconds_by_account": dict(self.busy_seconds_by_account),
             "idle_seconds": self.idle_seconds,
+            "asleep_seconds": self.asleep_seconds,
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p99_s": _percentile(ttft, 0.99),
             "tpot_p50_s": _percentile(tpot, 0.5),

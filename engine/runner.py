@@ -37,6 +37,8 @@ from kernels.kv_layout import new_kv_cache
 
 log = logging.getLogger(__name__)
 
+FREE_MARGIN_BYTES = 256 << 20  # left free on the device after the KV pool (allocator slack, other processes)
+
 
 class TokenPath(enum.Enum):
     SAMPLED = "sampled"  # the logits' rows through the sampler, read now
@@ -67,9 +69,13 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         tp: TensorParallel = SINGLE,
         lora: LoRAManager | None = None,
+        baseline_free: int | None = None,
     ) -> None:
+        """`baseline_free`: the device's free bytes before this engine loaded anything (CUDA), so that its KV pool
+        is sized from its own share of the GPU."""
         self.config = config
         self.lora = lora  # adapters applied beside the model's projections (engine/lora/), when max_loras > 0
+        self.baseline_free = baseline_free
         self.tp = tp
         self.model_config = model_config
         self.model = model
@@ -86,19 +92,32 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_kv_heads = model_config.num_key_value_heads // tp.size
         self.num_blocks = tp.min_over_ranks(self._choose_num_blocks())
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (new_kv_cache(*shape, self.kv_dtype, device), new_kv_cache(*shape, self.kv_dtype, device))
-            for _ in range(model_config.num_hidden_layers)
-        ]
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**30)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not config.enforce_eager and kernels.triton_available():
-            self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.allocate_kv_cache()
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block / 2**30)
+
+    def allocate_kv_cache(self) -> None:
+        """The KV pool (num_blocks blocks, zeroed) and, on CUDA, the decode graphs captured over it and the
+        network's weights as they are now: at start, and again when a sleeping engine wakes."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.model_config.head_dim)
+        self.kv_caches = [
+            (new_kv_cache(*shape, self.kv_dtype, self.device), new_kv_cache(*shape, self.kv_dtype, self.device))
+            for _ in range(self.model_config.num_hidden_layers)
+        ]
+        if self.device.type == "cuda" and not self.config.enforce_eager and kernels.triton_available():
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
+                                       self.device)
             self.graphs.capture()
             self.verify_graphs = self._capture_verify_graphs()
+
+    def release_kv_cache(self) -> None:
+        """Frees the KV pool and the graphs that point into it and at the weights (an engine going to sleep)."""
+        self.release_graphs()
+        self.kv_caches = []
+        self.picked_tokens = None
 
     def _capture_verify_graphs(self) -> DecodeGraphs | None:
         """Graphs for speculative verify steps in which every sequence checks all k drafts (batch-1 decode
@@ -153,9 +172,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits, meta
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
+        # gpu_memory_utilization is this engine's share of the GPU (as vLLM's): what it took since it began
+        # loading counts, not what other processes (models sharing the GPU) hold; never more than is free
+        used = total - free if self.baseline_free is None else max(0, self.baseline_free - free)
         peak, current = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
-        budget = int(total * self.config.gpu_memory_utilization - used - peak + current)
+        budget = int(min(total * self.config.gpu_memory_utilization - used, free - FREE_MARGIN_BYTES) - peak + current)
         if budget < self.bytes_per_block:
             raise ValueError(
                 "gpu_memory_utilization: no memory left for the KV cache after loading the model "

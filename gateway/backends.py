@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.config import TOKENIZE_IN_THREAD_CHARS, EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
+from engine.errors import EngineAsleepError, EngineDeadError
 from engine.outputs import RequestOutput, TokenLogprob
 from gateway.specs import ModelKind, ModelSpec, engine_fields
 
@@ -142,6 +142,26 @@ class LocalEngineBackend:
     def stats(self) -> dict[str, Any]:
         return self._engine.stats() if self._engine is not None else {}
 
+    def asleep_seconds(self) -> float:
+        """The engine's time asleep since it started (replica interval rows)."""
+        return float(self.stats().get("asleep_seconds", 0.0))
+
+    @property
+    def sleep_level(self) -> int:
+        return self._engine.sleep_level if self._engine is not None else 0
+
+    async def sleep(self, level: int = 1) -> int:
+        """Puts the idle engine to sleep (engine/sleep.py); ValueError while requests run."""
+        if self._engine is None:
+            return 0
+        return await self._engine.sleep(level)
+
+    async def wake(self) -> float:
+        """Wakes the engine; the seconds it took (0.0 when awake)."""
+        if self._engine is None:
+            return 0.0
+        return await self._engine.wake()
+
     def busy_totals(self) -> tuple[float, dict[str | None, float]]:
         """The engine's busy seconds since it started, in all and per account (replica interval rows)."""
         stats = self.stats()
@@ -182,6 +202,8 @@ class LocalEngineBackend:
                                              cache_salt=request.cache_salt, account=request.account,
                                              lora_name=request.lora_name):
                 yield self._chunk(out, finish_reported)
+        except EngineAsleepError as e:  # it slept and could not wake in time: a 503 to retry, not a 500
+            raise BackendUnavailable(f"The model `{self.spec.name}` is asleep: {e}") from e
         except EngineDeadError as e:  # the engine (its core process) is gone: a 503 naming why, not a 500
             self.mark_unavailable(f"its engine stopped ({e})")
             raise BackendUnavailable(f"The model `{self.spec.name}` is unavailable: its engine stopped") from e

@@ -69,6 +69,9 @@ class Autoscaling(BaseModel):
     downscale_to_zero_delay_s: float | None = Field(None, ge=0)
     look_back_period_s: float = Field(10.0, gt=0)
     metrics_interval_s: float = Field(2.0, gt=0)
+    # a replica idle this long puts its engine to sleep (level 1: weights to host memory, GPU memory given back);
+    # the next request wakes it (x-tollgate-cold-start). None: never. Ray Serve ends it after downscale_delay_s.
+    sleep_after_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "Autoscaling":
@@ -79,7 +82,7 @@ class Autoscaling(BaseModel):
         return self
 
     def serve_config(self) -> dict[str, Any]:
-        out = self.model_dump(exclude={"max_ongoing_requests"}, exclude_none=True)
+        out = self.model_dump(exclude={"max_ongoing_requests", "sleep_after_s"}, exclude_none=True)
         return out
 
 
@@ -192,9 +195,13 @@ class ModelSpec(BaseModel):
             return self
         config = engine_config(self)
         gpus = self.resources.num_gpus
-        if gpus > 0 and config.tensor_parallel_size > gpus:
+        if gpus > 0 and config.tensor_parallel_size > 1 and config.tensor_parallel_size > gpus:
             raise ValueError(f"engine.tensor_parallel_size: {config.tensor_parallel_size} ranks need "
                              f"{config.tensor_parallel_size} GPUs per replica, resources.num_gpus is {gpus:g}")
+        if 0 < gpus < 1 and config.gpu_memory_utilization > gpus:
+            # a fraction of a GPU shares it with other models: the memory share must fit in the fraction
+            raise ValueError(f"engine.gpu_memory_utilization: {config.gpu_memory_utilization:g} is more than this "
+                             f"replica's share of its GPU (resources.num_gpus: {gpus:g}); set it to at most {gpus:g}")
         return self
 
     @property

@@ -24,7 +24,9 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
     # autoscaling and pricing stay out of the replicas' arguments, and the version names only what the
     # replicas are built from: changing the replica bounds or prices updates the running replicas in place
     replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
-    args = (replica_spec, settings.db_url, settings.interval_flush_s)
+    args: tuple[Any, ...] = (replica_spec, settings.db_url, settings.interval_flush_s)
+    if spec.kind != "embedding" and spec.autoscaling.sleep_after_s is not None:
+        args += (spec.autoscaling.sleep_after_s,)
     version = hashlib.sha256(json.dumps([args, actor_options, _package_version()], sort_keys=True).encode())
     deployment_options.setdefault("graceful_shutdown_timeout_s", settings.drain_s)
     server = EmbeddingServer if spec.kind == "embedding" else ModelServer

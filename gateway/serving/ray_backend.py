@@ -38,6 +38,7 @@ class ReplicaAccepted:
     replica: str
     ready_at: float  # wall-clock time at which the replica finished loading
     started_at: float = 0.0  # wall-clock time at which its constructor began
+    woke_s: float | None = None  # the seconds this request waited for the replica's engine to wake from sleep
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ class RayModelBackend:
                 c.waiting_for_replica -= 1
             if not isinstance(accepted, ReplicaAccepted):
                 raise RuntimeError(f"model {self.name!r}: the replica answered without accepting")
-            if accepted.ready_at > sent:
-                waited = time.time() - sent
+            if accepted.ready_at > sent or accepted.woke_s is not None:
+                waited = time.time() - sent if accepted.ready_at > sent else accepted.woke_s
                 c.cold_starts += 1
                 c.last_cold_start_s = waited
                 notes = _request_notes.get()

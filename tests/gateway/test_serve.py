@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
+from decimal import Decimal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -528,6 +530,46 @@ sys.exit(run_until_stopped(Settings(drain_s=60.0), owns_platform=True))
 """
 
 
+def test_an_idle_replica_sleeps_and_the_next_request_wakes_it_with_the_same_answer(platform: Platform) -> None:
+    """autoscaling.sleep_after_s: the replica's engine sleeps while Ray Serve keeps the replica; a request wakes it,
+    answers as before and carries the wake time; the ledger counts the sleep as asleep, not idle."""
+    name = "smollm2-sleepy"
+    spec = test_spec(name, min_replicas=1, downscale_delay_s=600.0, sleep_after_s=1.0)
+    ops.deploy_model(platform.db, spec, platform.settings)
+    replica = serve.get_app_handle(model_app_name(name))
+    question = [{"role": "user", "content": "Name a colour."}]
+
+    def ask() -> httpx.Response:
+        return httpx.post(f"{platform.url}/v1/chat/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {platform.key}"},
+                          json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0})
+
+    try:
+        wait_until(lambda: _listed_name(platform, name), 30, "the sleepy model to be listed")
+        wait_until(lambda: replica.stats.remote().result(timeout_s=30)["sleep_level"] == 1, 120,
+                   "the idle replica to fall asleep")
+        first = ask()  # wakes it
+        assert first.status_code == 200, first.text
+        assert float(first.headers[COLD_START_HEADER]) > 0
+        wait_until(lambda: replica.stats.remote().result(timeout_s=30)["sleep_level"] == 1, 60, "sleep again")
+        second = ask()
+        assert second.status_code == 200 and float(second.headers[COLD_START_HEADER]) > 0
+        assert second.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        stats = replica.stats.remote().result(timeout_s=30)
+        assert stats["wakes"] >= 2 and stats["engine"]["kv_blocks_used"] == 0
+        def rows() -> list[ReplicaInterval]:
+            return [r for replica_rows in _intervals(platform.db, name).values() for r in replica_rows]
+
+        wait_until(lambda: any(r.asleep_s > 0 for r in rows()), 30, "an interval with asleep time")
+        for row in rows():
+            span = Decimal((row.end - row.start) // timedelta(microseconds=1)).scaleb(-6)
+            assert row.busy_s + row.idle_s + row.asleep_s == span
+        assert gpu_usage_frame(platform.db, model=name)["asleep_h"].sum() > 0
+    finally:
+        ops.delete_model(name)
+        wait_until(lambda: not _listed_name(platform, name), 30, "the sleepy model to go")
+
+
 def test_sigterm_drains_the_platform_then_stops_it(platform: Platform) -> None:
     """Last in this module: it stops the platform. A process that owns the platform (as `platform up` does)
     gets SIGTERM while 5 streams run: the gateway refuses new requests, the 5 finish and are recorded, then
@@ -581,3 +623,4 @@ def test_sigterm_drains_the_platform_then_stops_it(platform: Platform) -> None:
     assert sorted(tuple(r) for r in rows) == [("ok", STOP_TOKENS)] * 5
     with pytest.raises(httpx.TransportError):  # Serve's proxy is gone
         httpx.get(f"{platform.url}/v1/models", timeout=5)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -57,3 +58,33 @@ def test_gpu_usage_per_model_and_day(db) -> None:  # type: ignore[no-untyped-def
     assert row["idle_rate"] == pytest.approx(0.875, abs=1e-3)
     assert isinstance(row["gpu_cost_usd"], Decimal) and abs(row["gpu_cost_usd"] - 4) <= Decimal("0.01")  # exact money
     assert gpu_usage_frame(db, model="nobody").empty
+
+
+def test_asleep_time_is_its_own_column_billed_to_no_one_and_not_idle(db) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import select
+
+    from billing.models import GpuShare
+
+    record_deployments(db, [ModelSpec(name="sleepy", source="x", pricing={"gpu_hour": 2.0}).model_dump(mode="json")])
+    started = time.time() - 3600.0
+    totals = {"busy": 600.0, "asleep": 1800.0}
+    rec = IntervalRecorder(db, "sleepy", "r", lambda: (totals["busy"], {"tenant-a": totals["busy"]}),
+                           started_at=started, asleep=lambda: totals["asleep"])
+    rec.flush()
+    totals["asleep"] = 1800.0 + 10**6  # more than the next row's span: capped at what busy time leaves
+    time.sleep(0.01)
+    rec.flush()
+    rows = _rows(db)
+    for row in rows:
+        span = Decimal((row.end - row.start) // timedelta(microseconds=1)).scaleb(-6)
+        assert row.busy_s + row.idle_s + row.asleep_s == span
+    assert rows[0].busy_s == Decimal(600) and rows[0].asleep_s == Decimal(1800)
+    assert rows[1].idle_s == 0 and rows[1].asleep_s > 0
+    with db.connect() as conn:
+        shares = conn.execute(select(GpuShare).where(GpuShare.interval_id == rows[0].id)).all()
+    assert sum(s.busy_s + s.idle_s for s in shares) == rows[0].busy_s + rows[0].idle_s  # the asleep part is no one's
+    [day] = gpu_usage_frame(db, model="sleepy").to_dict("records")
+    assert day["asleep_h"] == pytest.approx(0.5, abs=1e-3) and day["alive_h"] == pytest.approx(1.0, abs=1e-3)
+    assert day["busy_h"] == pytest.approx(600 / 3600, abs=1e-6) and day["idle_h"] == pytest.approx(1200 / 3600, abs=1e-3)
+    assert day["idle_rate"] == pytest.approx(2 / 3, abs=1e-3)
+    assert abs(day["gpu_cost_usd"] - Decimal("1.00")) < Decimal("0.01")  # the awake half hour only (exact money)

@@ -1,0 +1,145 @@
+"""Sleep and wake of an idle engine (engine/sleep.py): the weights and the KV pool really leave the device, and the
+woken engine answers exactly as before, from host memory (level 1) or from the checkpoint again (level 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sleep import EngineAsleepError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 33, 7] * 5, [3, 4, 5], [11, 12] * 9]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _assert_released(llm: LLM) -> None:
+    engine = llm.engine
+    assert all(t.numel() == 0 for t in engine.runner.model.parameters())
+    assert engine.runner.kv_caches == [] and engine.runner.graphs is None
+    assert engine.kv.num_used_blocks == 0 and not engine.kv.pool.cached
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, device="cpu", num_kv_blocks=48, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_woken_engine_answers_with_the_same_greedy_tokens(tiny_dir_llm, level):
+    before = _greedy(tiny_dir_llm)
+    _greedy(tiny_dir_llm)  # leaves prefix-cached blocks, which sleep must forget
+    tiny_dir_llm.sleep(level)
+    assert tiny_dir_llm.engine.sleep_level == level
+    _assert_released(tiny_dir_llm)
+    assert tiny_dir_llm.wake() > 0
+    assert tiny_dir_llm.engine.sleep_level == 0
+    assert _greedy(tiny_dir_llm) == before
+    assert tiny_dir_llm.engine.kv.num_used_blocks == 0
+
+
+def test_sleep_deepens_from_level_1_to_level_2_and_wakes_from_the_checkpoint(tiny_dir_llm):
+    before = _greedy(tiny_dir_llm)
+    tiny_dir_llm.sleep(1)
+    assert tiny_dir_llm.engine.sleep_mode._host_buffer is not None
+    tiny_dir_llm.sleep(2)
+    assert tiny_dir_llm.engine.sleep_mode._host_buffer is None
+    tiny_dir_llm.sleep(1)  # already deeper: stays at 2
+    assert tiny_dir_llm.engine.sleep_level == 2
+    _assert_released(tiny_dir_llm)
+    assert _greedy(tiny_dir_llm) == before  # generate wakes it
+
+
+def test_sleep_is_refused_while_a_request_is_unfinished_and_nothing_changes(tiny_dir_llm):
+    engine = tiny_dir_llm.engine
+    engine.add_request("running", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="1 request"):
+        engine.sleep(1)
+    assert engine.sleep_level == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="level"):
+        engine.sleep(3)
+
+
+def test_a_request_added_while_asleep_waits_and_runs_after_wake(tiny_dir_llm):
+    engine = tiny_dir_llm.engine
+    expected = _greedy(tiny_dir_llm, PROMPTS[:1])
+    engine.sleep(1)
+    engine.add_request("waits", PROMPTS[0], GREEDY)
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        engine.step()
+    engine.wake()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert finished[0].outputs[0].token_ids == expected[0]
+    assert engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_engine_wakes_from_both_levels_with_the_same_tokens(tiny_llama_dir, quantization):
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=32, max_num_seqs=4, quantization=quantization)
+    before = _greedy(llm)
+    for level in (1, 2):
+        llm.sleep(level)
+        _assert_released(llm)
+        llm.wake()
+        assert _greedy(llm) == before
+
+
+def test_smollm2_wakes_from_both_levels_with_the_same_tokens(smollm2):
+    prompts = ["The capital of France is"]
+    before = _greedy(smollm2, prompts)
+    for level in (1, 2):
+        smollm2.sleep(level)
+        _assert_released(smollm2)
+        smollm2.wake()
+        assert _greedy(smollm2, prompts) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_returns_the_gpu_memory_and_wake_recaptures_the_graphs(tiny_llama_dir, level):
+    llm = LLM("random:llama-1b", device="cuda", max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.5)
+    prompts = [torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 130)]
+    before = _greedy(llm, prompts)
+    free_awake, _ = torch.cuda.mem_get_info()
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    llm.sleep(level)
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep - free_awake > weights  # the weights and the KV pool both went back
+    llm.wake()
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert _greedy(llm, prompts) == before
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_two_engines_share_one_gpu_each_in_its_memory_share_and_take_turns_awake():
+    shape = dict(device="cuda", max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
+    first, second = LLM("random:llama-1b", **shape), LLM("random:llama-1b", **shape)
+    # each sized its KV pool from its own share, not from what the other one holds
+    assert second.engine.runner.num_blocks >= 0.8 * first.engine.runner.num_blocks
+    prompt = [list(range(5, 40))]
+    expected = [_greedy(first, prompt), _greedy(second, prompt)]
+    for _ in range(2):
+        first.sleep(1)
+        assert _greedy(second, prompt) == expected[1]
+        second.sleep(1)
+        first.wake()
+        assert _greedy(first, prompt) == expected[0]
+    assert first.engine.kv.num_used_blocks == second.engine.kv.num_used_blocks == 0
+
+
+def test_sleep_is_refused_with_lora_adapters_naming_why(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=16, max_num_seqs=2, max_loras=1)
+    with pytest.raises(ValueError, match="sleep: not supported with LoRA"):
+        llm.sleep(1)
+    assert llm.engine.sleep_level == 0

@@ -1,0 +1,31 @@
+"""Spec fields for sharing a GPU and sleeping when idle: checked at deploy time, kept out of Ray's own config."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.specs import SpecError, parse_spec
+
+BASE = {"name": "m", "source": "random:llama-tiny"}
+
+
+def test_a_fraction_of_a_gpu_needs_a_memory_share_that_fits_in_it():
+    with pytest.raises(SpecError, match=r"engine.gpu_memory_utilization: 0.9 is more than .*num_gpus: 0.5"):
+        parse_spec({**BASE, "resources": {"num_gpus": 0.5}})
+    spec = parse_spec({**BASE, "resources": {"num_gpus": 0.5}, "engine": {"gpu_memory_utilization": 0.45}})
+    assert spec.resources.num_gpus == 0.5 and spec.engine["gpu_memory_utilization"] == 0.45
+
+
+def test_sleep_after_s_is_the_replicas_setting_not_ray_serves():
+    spec = parse_spec({**BASE, "autoscaling": {"sleep_after_s": 30, "downscale_delay_s": 600}})
+    assert spec.autoscaling.sleep_after_s == 30
+    assert "sleep_after_s" not in spec.autoscaling.serve_config()
+    with pytest.raises(SpecError, match="autoscaling.sleep_after_s"):
+        parse_spec({**BASE, "autoscaling": {"sleep_after_s": 0}})
+
+
+def test_the_engine_sleep_settings_are_engine_fields_a_spec_may_set():
+    spec = parse_spec({**BASE, "engine": {"wake_on_request": False, "sleep_wait_timeout_s": 5}})
+    assert spec.engine["sleep_wait_timeout_s"] == 5
+    with pytest.raises(SpecError, match="engine.sleep_wait_timeout_s"):
+        parse_spec({**BASE, "engine": {"sleep_wait_timeout_s": -1}})
