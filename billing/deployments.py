@@ -65,10 +65,3 @@ def _plain(row: ModelDeployment) -> Deployment:
     return Deployment(row.name, dict(row.spec or {}), row.input_per_1m, row.output_per_1m, row.gpu_hour,
                       row.cached_input_per_1m, row.updated_at)
 
-
-def record_adapters(db: Engine, model: str, adapters: list[dict[str, Any]]) -> None:
-    """Replaces the `adapters` list in a deployed model's recorded spec (invoices price adapters from it)."""
-    with Session(db) as s, s.begin():
-        row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == model))
-        if row is not None:
-            row.spec = {**(row.spec or {}), "adapters": adapters}

@@ -95,6 +95,26 @@ class ModelDeployment(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
+class ModelAdapter(Base):
+    """A LoRA adapter added at run time (`platform adapters add`) over a deployed model: every gateway on this
+    database serves it, and every replica of the model loads it. Adapters a spec lists live in the spec."""
+
+    __tablename__ = "model_adapters"
+    __table_args__ = (UniqueConstraint("model", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    name: Mapped[str] = mapped_column(String(100))
+    source: Mapped[str] = mapped_column(Text)  # the checked, absolute adapter directory
+    tenants: Mapped[list | None] = mapped_column(JSON)  # tenant names allowed; None: every tenant
+    # its own prices (all four set or none); None: the base model's
+    input_per_1m: Mapped[Decimal | None] = mapped_column(Money())
+    output_per_1m: Mapped[Decimal | None] = mapped_column(Money())
+    gpu_hour: Mapped[Decimal | None] = mapped_column(Money())
+    cached_input_per_1m: Mapped[Decimal | None] = mapped_column(Money())  # None: the input price
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class UsageEvent(Base):
     __tablename__ = "usage_events"
     __table_args__ = (
