@@ -2,13 +2,16 @@
 
 Clients name one as `model: "<model>:<adapter>"`. An adapter restricted to some tenants is invisible to the others:
 in /v1/models and on use it does not exist for them (404), exactly like an unknown one. The table starts from the
-specs' `adapters:` lists and changes at run time (`platform adapters add|remove`, gateway/adapter_routes.py)."""
+specs' `adapters:` lists and the adapters added at run time (`platform adapters add|remove`,
+gateway/adapter_routes.py), which the database keeps (billing/model_adapters.py) so that every gateway on it serves
+them."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
+from billing.model_adapters import AdapterRecord
 from billing.pricing import Prices
 from gateway.errors import model_not_found
 from gateway.specs import ModelSpec
@@ -23,6 +26,7 @@ class ServedAdapter:
     source: str
     tenants: frozenset[str] | None  # tenant names allowed; None: every tenant
     prices: Prices | None  # None: the base model's
+    from_spec: bool = True  # listed in its model's spec (changed by deploying the spec), else added at run time
 
     @property
     def id(self) -> str:
@@ -44,17 +48,17 @@ class ResolvedModel:
 
 
 class AdapterTable:
+    """Thread-safe. `version` counts run-time changes, so that a refresh built from an older read of the database
+    (the Ray registry's) never undoes an add or a remove made meanwhile."""
+
     def __init__(self, adapters: list[ServedAdapter] | None = None) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, ServedAdapter] = {a.id: a for a in adapters or []}
+        self.version = 0
 
     @classmethod
     def from_specs(cls, specs: dict[str, ModelSpec]) -> "AdapterTable":
-        return cls([
-            ServedAdapter(spec.name, a.name, a.source, frozenset(a.tenants) if a.tenants is not None else None,
-                          a.pricing.prices() if a.pricing is not None else None)
-            for spec in specs.values() for a in spec.adapters
-        ])
+        return cls(served_adapters(specs, []))
 
     def resolve(self, model: str, tenant: str) -> ResolvedModel:
         """`model` or `model:adapter` for this tenant; 404 (model_not_found) for an adapter it may not use."""
@@ -65,6 +69,10 @@ class AdapterTable:
         if adapter is None or not adapter.visible_to(tenant):
             raise model_not_found(model)
         return ResolvedModel(adapter.model, adapter)
+
+    def get(self, model: str, name: str) -> ServedAdapter | None:
+        with self._lock:
+            return self._by_id.get(f"{model}{SEPARATOR}{name}")
 
     def visible(self, tenant: str) -> list[ServedAdapter]:
         with self._lock:
@@ -77,7 +85,33 @@ class AdapterTable:
     def put(self, adapter: ServedAdapter) -> None:
         with self._lock:
             self._by_id[adapter.id] = adapter
+            self.version += 1
 
     def remove(self, adapter_id: str) -> ServedAdapter | None:
         with self._lock:
+            self.version += 1
             return self._by_id.pop(adapter_id, None)
+
+    def replace(self, adapters: list[ServedAdapter], read_at_version: int) -> bool:
+        """The whole set, as read when `version` was read_at_version; refused (False) if it changed since."""
+        with self._lock:
+            if self.version != read_at_version:
+                return False
+            self._by_id = {a.id: a for a in adapters}
+            return True
+
+
+def served_adapters(specs: dict[str, ModelSpec], added: list[AdapterRecord]) -> list[ServedAdapter]:
+    """The specs' adapters, then those added at run time over chat models with a spec (a spec's entry of the same
+    name wins: deploying a spec that lists it takes it over)."""
+    out = {a.id: a for a in (
+        ServedAdapter(spec.name, a.name, a.source, frozenset(a.tenants) if a.tenants is not None else None,
+                      a.pricing.prices() if a.pricing is not None else None)
+        for spec in specs.values() for a in spec.adapters)}
+    for r in added:
+        spec = specs.get(r.model)
+        adapter = ServedAdapter(r.model, r.name, r.source, frozenset(r.tenants) if r.tenants is not None else None,
+                                r.prices, from_spec=False)
+        if spec is not None and spec.kind == "chat" and adapter.id not in out:
+            out[adapter.id] = adapter
+    return list(out.values())

@@ -19,6 +19,7 @@ from billing.replica_intervals import IntervalRecorder
 from gateway import errors
 from gateway.access_log import redact_access_log
 from gateway.adapter_routes import adapter_router
+from gateway.adapters import served_adapters
 from gateway.admin_routes import admin_router
 from gateway.cache_feedback import cache_feedback_router
 from gateway.answer_reuse import AnswerReuse
@@ -28,6 +29,7 @@ from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
 from gateway.deployed import DeployedModels
 from gateway.drain import InFlight, InFlightMiddleware
+from gateway.recorded_adapters import load_recorded_adapters
 from gateway.embedding_backend import LocalEmbeddingBackend
 from gateway.embeddings import embeddings_router
 from gateway.request_id import RequestIdMiddleware
@@ -65,6 +67,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
         if own_backends:
             await _start_local_models(backends)
             recorders = _record_intervals(db, backends, settings.interval_flush_s)
+        await _serve_recorded_adapters(gw, db, backends)
         try:
             yield
         finally:
@@ -123,6 +126,17 @@ async def _start_local_models(backends: dict[str, ModelBackend]) -> None:
             await backend.start()
         except Exception:
             log.error("model %s is unavailable: %s", name, backend.info().reason)
+
+
+async def _serve_recorded_adapters(gw: Gateway, db: Engine, backends: dict[str, ModelBackend]) -> None:
+    """The adapters added at run time to the local chat models, loaded again (another gateway, or this one before a
+    restart, added them)."""
+    version = gw.models.adapters.version
+    added = []
+    for backend in backends.values():
+        if isinstance(backend, LocalEngineBackend) and backend.info().state == "ready":
+            added += await load_recorded_adapters(backend, db)
+    gw.models.adapters.replace(served_adapters(gw.models.specs, added), version)
 
 
 def open_semantic_cache(settings: Settings) -> Any:

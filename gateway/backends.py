@@ -33,6 +33,9 @@ class GenerationRequest:
     cache_salt: str | None = None
     account: str | None = None  # the tenant (uid) whose GPU time this request's share of each step is
     lora_name: str | None = None  # the LoRA adapter served over the model that runs it (gateway/adapters.py)
+    # where that adapter lies: an engine that does not serve it from there yet (a replica that started while it was
+    # being added) loads it before the request runs
+    lora_path: str | None = None
 
 
 @dataclass
@@ -102,6 +105,8 @@ class LocalEngineBackend:
         self._state: BackendState = "stopped"
         self._reason: str | None = None
         self._token_cache: dict[int, str] = {}
+        self._adapters: dict[str, str] = dict(self._fields.get("lora_modules") or {})  # name -> source served
+        self._adapter_lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Load the model (blocking work runs in a thread). A model that cannot load is left unavailable,
@@ -172,19 +177,33 @@ class LocalEngineBackend:
             await self._engine.abort(request_id)
 
     async def add_adapter(self, name: str, source: str) -> None:
-        """Serves a LoRA adapter from now on, without restarting the model; ValueError for one it cannot serve."""
+        """Serves a LoRA adapter from now on (replacing one of that name), without restarting the model; ValueError
+        for one it cannot serve."""
         if self._engine is None:
             raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}")
         await self._engine.add_lora(name, source)
+        self._adapters[name] = source
 
     async def remove_adapter(self, name: str) -> bool:
+        self._adapters.pop(name, None)
         return await self._engine.remove_lora(name) if self._engine is not None else False
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters served now: name -> source."""
+        return dict(self._adapters)
+
+    async def _ensure_adapter(self, name: str, source: str) -> None:
+        async with self._adapter_lock:  # concurrent first requests for it load it once
+            if self._adapters.get(name) != source:
+                await self.add_adapter(name, source)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._state != "ready":
             why = f": {self._reason}" if self._reason else ""
             raise BackendUnavailable(f"The model `{self.spec.name}` is {self._state}{why}")
         engine = self._engine
+        if request.lora_name is not None and request.lora_path is not None:
+            await self._ensure_adapter(request.lora_name, request.lora_path)
         if request.messages is not None:
             render = functools.partial(engine.tokenizer.apply_chat_template, request.messages, tools=request.tools)
             if sum(len(m.get("content") or "") for m in request.messages) > TOKENIZE_IN_THREAD_CHARS \

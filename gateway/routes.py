@@ -201,7 +201,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             generation = make_request(call.request_id, params)
             generation.cache_salt = gw.cache_salt(p, resolved.base)
             generation.account = p.tenant_uid
-            generation.lora_name = resolved.adapter.name if resolved.adapter is not None else None
+            if resolved.adapter is not None:
+                generation.lora_name, generation.lora_path = resolved.adapter.name, resolved.adapter.source
             first, stream = await gw.begin(call, generation)
     except BaseException as e:
         # refused (or cancelled) after admission and before the model ran: no usage event follows, so the

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import PromptTooLongError
@@ -108,6 +109,32 @@ class RayModelBackend:
         response = self._live.pop(request_id, None)
         if response is not None:
             response.cancel()
+
+    async def add_adapter(self, name: str, source: str) -> None:
+        """Every running replica loads the adapter (one started later loads the recorded set, and any replica loads it
+        on the first request that names it); ValueError when a replica refuses it."""
+        for result in await self._broadcast("add_adapter", name, source):
+            if isinstance(result, ReplicaError):
+                raise result.exception()
+
+    async def remove_adapter(self, name: str) -> bool:
+        return any(r is True for r in await self._broadcast("remove_adapter", name))
+
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+        """`method` called on each running replica (none at zero replicas), each answer within the cold-start
+        bound; replicas that cannot be reached are logged and skipped."""
+        if not self.replica_states.get("running"):
+            return []
+        try:
+            results = await self.handle.broadcast(method, *args).results_async(
+                timeout_s=self.cold_start_timeout_s, return_exceptions=True)
+        except (DeploymentUnavailableError, TimeoutError) as e:
+            log.warning("model %s: %s not broadcast to its replicas: %s", self.name, method, type(e).__name__)
+            return []
+        for result in results:
+            if isinstance(result, Exception):
+                log.warning("model %s: a replica failed %s: %s", self.name, method, result)
+        return [r for r in results if not isinstance(r, Exception)]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         c = self.counters

@@ -1,5 +1,5 @@
 """Keeps a gateway's models in step with the model applications on the cluster: a thread reads
-serve.status() and the recorded specs, and swaps in a new DeployedModels (gateway/deployed.py). A
+serve.status(), the recorded specs and run-time adapters, and swaps in a new DeployedModels (gateway/deployed.py). A
 model's state comes from its application: no running replica is `scaled_to_zero` (a request starts
 one), an application that failed to deploy, or whose replicas cannot start, is `unavailable` with
 Serve's message as the reason."""
@@ -15,6 +15,8 @@ import ray
 from ray import serve
 
 from billing.deployments import deployed_specs
+from billing.model_adapters import recorded_adapters
+from gateway.adapters import served_adapters
 from gateway.backends import BackendState, ModelBackend
 from gateway.deployed import DeployedModels
 from gateway.serving.engine_stats_board import board, model_totals
@@ -91,7 +93,10 @@ class ModelRegistry:
     def refresh(self) -> None:
         apps = {model: app for name, app in serve.status().applications.items()
                 if (model := model_of_app(name)) is not None}
+        adapters = self.gw.models.adapters
+        version = adapters.version  # read before the database: an add or remove made meanwhile is not undone
         recorded = deployed_specs(self.db)
+        added = recorded_adapters(self.db)
         current: dict[str, ModelBackend] = self.gw.models.backends
         backends: dict[str, ModelBackend] = {}
         specs: dict[str, ModelSpec] = {}
@@ -109,7 +114,8 @@ class ModelRegistry:
             backends[name] = backend
             if spec is not None:
                 specs[name] = spec
-        self.gw.models = DeployedModels(backends, specs)
+        adapters.replace(served_adapters(specs, added), version)
+        self.gw.models = DeployedModels(backends, specs, adapters)
         self._read_engine_stats(backends)
 
     def _read_engine_stats(self, backends: dict[str, ModelBackend]) -> None:

@@ -23,6 +23,7 @@ from gateway.serving.engine_stats_board import StatsPoster
 from gateway.serving.gpu_sampler import GpuSampler
 from gateway.serving.model_cache import prepared_source
 from gateway.serving.names import MODEL_DEPLOYMENT
+from gateway.recorded_adapters import load_recorded_adapters
 from gateway.serving.ray_backend import ReplicaAccepted, ReplicaError
 from gateway.specs import parse_spec
 
@@ -52,6 +53,8 @@ class ModelServer:
         self.wakes = 0
         self._sleep_lock = asyncio.Lock()  # a sleep and a wake never run at once
         await self.backend.start()
+        # the adapters added at run time while this replica did not run (or before the platform restarted)
+        await load_recorded_adapters(self.backend, self.db)
         self.poster = StatsPoster(self.spec.name, self.replica, self.backend.stats)
         self.ready_at = time.time()
         self.load_s = self.ready_at - started
@@ -109,6 +112,22 @@ class ModelServer:
                 except Exception:  # noqa: BLE001 - a replica that cannot sleep keeps serving
                     log.exception("replica %s could not sleep", self.replica)
                     return
+
+    async def add_adapter(self, name: str, source: str) -> ReplicaError | None:
+        """Serves a LoRA adapter from now on (the gateway calls every running replica); its refusal comes back as a
+        ReplicaError, not as a Ray exception."""
+        try:
+            await self.backend.add_adapter(name, source)
+        except (ValueError, BackendUnavailable) as e:
+            return ReplicaError.of(e)
+        return None
+
+    async def remove_adapter(self, name: str) -> bool:
+        return await self.backend.remove_adapter(name)
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters this replica's engine serves now: name -> source."""
+        return self.backend.adapters()
 
     def stats(self) -> dict[str, Any]:
         return {"replica": self.replica, "ongoing": self.ongoing, "load_s": self.load_s,

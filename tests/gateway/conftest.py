@@ -16,6 +16,7 @@ from gateway.specs import ModelSpec, load_spec
 from tests.billing.conftest import db, db_url  # noqa: F401 - the same fresh-database fixtures as billing's
 from tests.billing.dbutil import fresh_database
 from tests.gateway.live import LiveServer, start
+from tests.gateway.serve_platform import platform  # noqa: F401 - Ray Serve once per session, for every module
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
 MODEL = "smollm2-135m"

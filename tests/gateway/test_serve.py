@@ -1,6 +1,7 @@
 """The platform on real Ray Serve, SmolLM2 on CPU: scale to zero and back, cold-start headers, replica
 intervals, a replica killed mid-stream, and deploy / scale / delete / status. One Ray and one Serve
-instance for the whole module; the model loads once per replica start (three times in all)."""
+instance for the session (the `platform` fixture, tests/gateway/serve_platform.py); the model loads once per replica
+start (three times in all)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import time
 import uuid
 from datetime import timedelta
 from decimal import Decimal
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,8 +22,6 @@ from sqlalchemy import Engine, select
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from billing.accounts import create_key, create_tenant  # noqa: E402
-from billing.db import make_engine  # noqa: E402
 from billing.gpu_usage import gpu_usage_frame  # noqa: E402
 from billing.models import GpuShare, ReplicaInterval, UsageEvent  # noqa: E402
 from gateway.serving import deploy as ops  # noqa: E402
@@ -32,92 +29,15 @@ from gateway.serving import status  # noqa: E402
 from gateway.serving.gateway_app import deploy_gateway  # noqa: E402
 from gateway.serving.names import GATEWAY_APP, MODEL_APP_PREFIX, model_app_name  # noqa: E402
 from gateway.serving.ray_backend import COLD_START_HEADER, REQUEST_ID_HEADER  # noqa: E402
-from gateway.settings import Settings  # noqa: E402
 from gateway.specs import ModelSpec, load_spec  # noqa: E402
-from tests.billing.dbutil import fresh_database  # noqa: E402
-from tests.gateway.live import free_port  # noqa: E402
-
-SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
-DOWNSCALE_S = 3.0
-
-
-def test_spec(name: str = "smollm2-135m", **autoscaling: object) -> ModelSpec:
-    spec = load_spec(SPEC_PATH)
-    data = spec.model_dump(mode="json")
-    data["name"] = name
-    data["engine"].update(max_model_len=512, max_num_seqs=8, cpu_kv_cache_gib=0.25)
-    data["autoscaling"].update(min_replicas=0, max_replicas=1, target_ongoing_requests=2, upscale_delay_s=0.0,
-                               downscale_delay_s=DOWNSCALE_S, look_back_period_s=1.0, metrics_interval_s=0.5)
-    data["autoscaling"].update(autoscaling)
-    return ModelSpec.model_validate(data)
-
-
-test_spec.__test__ = False  # type: ignore[attr-defined]
-
-
-@dataclass
-class Platform:
-    url: str
-    key: str
-    db: Engine
-    db_url: str
-    settings: Settings
-    model: str
-    tenant_uid: str
-
-    def chat(self, max_tokens: int = 8, stream: bool = False, timeout: float = 120.0, **extra: object) -> httpx.Response:
-        # a new question each time: a repeated one could be answered by the semantic cache, not the model
-        question = f"Say hello to {uuid.uuid4().hex[:8]}."
-        body = {"model": self.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": stream, **extra}
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
-                          headers={"Authorization": f"Bearer {self.key}"})
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.2):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
-
-
-@pytest.fixture(scope="session")
-def platform(tmp_path_factory) -> Iterator[Platform]:
-    with fresh_database(tmp_path_factory.mktemp("serve")) as db_url:
-        db = make_engine(db_url)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            home = tmp_path_factory.mktemp("serve-home")
-            # the semantic cache is tested on its own; here every request must reach the model
-            settings = Settings(database_url=db_url, home=home, semantic_cache=False, key_cache_ttl_s=0.0,
-                                        interval_flush_s=2.0, registry_refresh_s=0.25, cold_start_timeout_s=90.0,
-                                        retry_after_s=7)
-            spec = test_spec()
-            ops.deploy_model(db, spec, settings)
-            deploy_gateway(settings)
-            tenant = create_tenant(db, "acme")
-            key = create_key(db, "acme").key
-            p = Platform(f"http://127.0.0.1:{port}", key, db, db_url, settings, spec.name, tenant.uid)
-            wait_until(lambda: _listed(p), 30, "the gateway to list the model")
-            yield p
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            db.dispose()
-
-
-def _listed(p: Platform) -> bool:
-    try:
-        r = httpx.get(f"{p.url}/v1/models", headers={"Authorization": f"Bearer {p.key}"}, timeout=5)
-    except httpx.TransportError:
-        return False
-    return r.status_code == 200 and any(m["id"] == p.model for m in r.json()["data"])
+from tests.gateway.serve_platform import (  # noqa: E402
+    DOWNSCALE_S,
+    SPEC_PATH,
+    Platform,
+    lists_model,
+    test_spec,
+    wait_until,
+)
 
 
 def _shares(db: Engine, interval_ids: list[int]) -> list[GpuShare]:
@@ -426,7 +346,7 @@ def test_gateway_restarted_with_a_stream_in_flight(platform: Platform) -> None:
     assert event is not None and (event.status, event.completion_tokens) == ("ok", 64)
 
     deploy_gateway(platform.settings)
-    wait_until(lambda: _listed(platform), 60, "the gateway to serve again")
+    wait_until(lambda: lists_model(platform), 60, "the gateway to serve again")
     assert _gateway_actors() and not (_gateway_actors() & before)
     assert platform.chat(max_tokens=2).status_code == 200
 
@@ -492,7 +412,7 @@ def test_embedding_model_as_its_own_application(platform: Platform) -> None:
 def test_shared_cache_deployment(platform: Platform) -> None:
     """It redeploys the gateway with the semantic cache as its own deployment (only the stop test follows)."""
     deploy_gateway(platform.settings.model_copy(update={"semantic_cache": True}))
-    wait_until(lambda: _listed(platform), 60, "the gateway with the cache to list the model")
+    wait_until(lambda: lists_model(platform), 60, "the gateway with the cache to list the model")
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
     def ask() -> httpx.Response:
