@@ -152,3 +152,32 @@ def test_spec_adapter_sources_must_lie_under_the_model_roots(tmp_path):
 
     config = engine_config(loaded)
     assert config.max_loras == 4 and config.lora_modules == {"a": str(tmp_path / "tuned")}
+
+
+def test_adapters_added_at_run_time_are_served_by_a_new_gateway_and_reloaded_on_demand(
+        clients, lora_server, smollm2_hf, adapters, shared_db_url, capsys):  # noqa: F811
+    """Recorded in the database: a gateway started later on the same database loads them into its engine; an engine
+    that lacks one (a replica that started while it was being added) loads it for the first request naming it."""
+    flags = ["--url", lora_server.url, "--admin-key", ADMIN]
+    assert platform(["adapters", "add", MODEL, "kept", adapters["extra"], "--tenant", "lora-allowed", *flags]) == 0
+    backend = lora_server.gateway.backends[MODEL]
+    expected = _text(backend.engine, _peft_greedy(smollm2_hf, adapters["extra"], 6))
+    asyncio.run(backend.remove_adapter("kept"))  # as if the engine had started without it
+    spec = lora_server.gateway.models.specs[MODEL]
+    second = make_server(shared_db_url, backend, spec, admin_key=ADMIN)
+    try:
+        assert backend.adapters()["kept"] == adapters["extra"]  # loaded by the new gateway as it started
+        other = openai.OpenAI(base_url=second.url + "/v1", api_key=clients["lora-allowed"].api_key, max_retries=0)
+        r = other.completions.create(model=f"{MODEL}:kept", prompt=PROMPT, max_tokens=6, temperature=0)
+        assert r.choices[0].text == expected
+        with pytest.raises(openai.NotFoundError):  # its tenant restriction came with it
+            openai.OpenAI(base_url=second.url + "/v1", api_key=clients["lora-other"].api_key, max_retries=0
+                          ).completions.create(model=f"{MODEL}:kept", prompt=PROMPT, max_tokens=2)
+    finally:
+        second.stop()
+    asyncio.run(backend.remove_adapter("kept"))
+    r = clients["lora-allowed"].completions.create(model=f"{MODEL}:kept", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert r.choices[0].text == expected and "kept" in backend.adapters()
+    assert platform(["adapters", "remove", MODEL, "kept", *flags]) == 0
+    assert platform(["adapters", "remove", MODEL, "tuned", *flags]) == 2  # listed in the spec: deploy the spec
+    assert "spec" in capsys.readouterr().err
