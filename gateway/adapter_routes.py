@@ -106,6 +106,7 @@ async def add_adapter(body: dict[str, Any], gw: Gateway = Depends(require_admin)
         await backend.add_adapter(spec.name, spec.source)  # type: ignore[attr-defined]
     except (ValueError, BackendUnavailable) as e:
         await run_in_threadpool(delete_adapter, gw.db, model, spec.name)
+        gw.models.adapters.remove(f"{model}:{spec.name}")  # a registry refresh may have read the row meanwhile
         if hasattr(backend, "remove_adapter"):  # replicas that did load it let it go again
             await backend.remove_adapter(spec.name)
         if isinstance(e, BackendUnavailable):
