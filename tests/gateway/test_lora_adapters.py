@@ -181,3 +181,15 @@ def test_adapters_added_at_run_time_are_served_by_a_new_gateway_and_reloaded_on_
     assert platform(["adapters", "remove", MODEL, "kept", *flags]) == 0
     assert platform(["adapters", "remove", MODEL, "tuned", *flags]) == 2  # listed in the spec: deploy the spec
     assert "spec" in capsys.readouterr().err
+
+
+def test_a_refresh_read_before_a_run_time_change_does_not_undo_it():
+    from gateway.adapters import AdapterTable, ServedAdapter
+
+    table = AdapterTable()
+    read_at = table.version  # a registry refresh reads the database here...
+    added = ServedAdapter("m", "new", "/a/new", None, None, from_spec=False)
+    table.put(added)  # ...an add lands...
+    assert not table.replace([], read_at)  # ...and the refresh's older view is dropped, not swapped in
+    assert table.resolve("m:new", "acme").adapter == added
+    assert table.replace([], table.version) and table.all() == []
