@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 
 from billing.accounts import create_key, create_tenant  # noqa: E402
 from billing.admin_keys import create_admin_key  # noqa: E402
-from billing.models import ModelAdapter  # noqa: E402
+from billing.models import ModelAdapter, UsageEvent  # noqa: E402
 from engine.loader import resolve_model_source  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from gateway.cli import main as cli  # noqa: E402
@@ -140,12 +140,21 @@ def test_bad_adapters_are_refused_naming_the_field_and_leave_no_row(lora, tmp_pa
 
 def test_adapters_outlive_a_gateway_restart(lora):
     """Recorded in the database: a gateway started again (or another one on the same database) serves them."""
-    assert cli(["adapters", "add", MODEL, "extra", lora.adapters["extra"], "--tenant", ALLOWED, *lora.flags]) == 0
+    assert cli(["adapters", "add", MODEL, "extra", lora.adapters["extra"], "--tenant", ALLOWED, "--input-per-1m", "2",
+                "--output-per-1m", "3", *lora.flags]) == 0
     before = lora.complete(ALLOWED, f"{MODEL}:extra")
     serve.delete(GATEWAY_APP)
     deploy_gateway(lora.p.settings)
     wait_until(lambda: lists_model(lora.p), 60, "the gateway to serve again")
-    assert lora.complete(ALLOWED, f"{MODEL}:extra") == before
+    after = lora.clients[ALLOWED].completions.create(model=f"{MODEL}:extra", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert after.choices[0].text == before
+
+    def charged() -> tuple | None:  # its prices were recorded with it: the request is charged at them
+        with lora.p.db.connect() as conn:
+            return conn.execute(select(UsageEvent.adapter, UsageEvent.input_per_1m, UsageEvent.output_per_1m)
+                                .where(UsageEvent.request_id == after.id)).first()
+
+    assert tuple(wait_until(charged, 30, "the usage event")) == ("extra", 2, 3)
     with pytest.raises(openai.NotFoundError):
         lora.complete(OTHER, f"{MODEL}:extra")  # its tenants were recorded with it
     listed = httpx.get(f"{lora.p.url}/admin/adapters", headers=lora.admin, timeout=10).json()["data"]
