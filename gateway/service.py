@@ -267,6 +267,10 @@ class Gateway:
                     break
                 chunk = await stream.__anext__()
             status = "ok"
+        except BackendUnavailable as e:  # its replica was lost: nothing was sent yet, so a 503 to retry
+            status, error = "failed", type(e).__name__
+            log.warning("model %s: %s", call.model, e)
+            raise unavailable(str(e)) from e
         except Exception as e:
             status, error = "failed", type(e).__name__
             log.exception("model %s failed mid-request", call.model)

@@ -4,6 +4,8 @@ validation error names its field path (`autoscaling.max_replicas: ...`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,12 +48,43 @@ class Pricing(BaseModel):
         return Prices(dollars(self.input_per_1m), dollars(self.output_per_1m), dollars(self.gpu_hour), cached)
 
 
+CUSTOM_RESOURCE_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-/]{0,99}"
+# set through the spec's own fields, never as custom resources
+RAY_BUILTIN_RESOURCES = {"CPU": "resources.num_cpus", "GPU": "resources.num_gpus", "memory": "resources.memory_gib",
+                         "object_store_memory": "not settable per model"}
+
+
 class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_gpus: float = Field(0, ge=0)  # 0: a CPU replica
     num_cpus: float = Field(1, ge=0)
     memory_gib: float | None = Field(None, gt=0)
+    # Ray custom resources each replica needs (its actor's `resources`): `{node_b: 1}` pins the model to the
+    # nodes started with that resource (`ray start --resources='{"node_b": 1}'`, a KubeRay group's rayStartParams)
+    custom: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("custom", mode="before")
+    @classmethod
+    def _custom_resources(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        problems = []
+        for name, amount in v.items():
+            if not isinstance(name, str) or not re.fullmatch(CUSTOM_RESOURCE_PATTERN, name):
+                problems.append(f"{name!r}: a resource name is letters, digits, '_', '-', '.' or '/'")
+            elif name in RAY_BUILTIN_RESOURCES:
+                problems.append(f"{name}: a built-in Ray resource; use its own field "
+                                f"({RAY_BUILTIN_RESOURCES[name]})")
+            elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
+                problems.append(f"{name}: the amount must be a finite number, got {amount!r}")
+            elif amount <= 0:
+                problems.append(f"{name}: the amount must be > 0, got {amount!r}")
+            elif amount > 1 and amount != int(amount):
+                problems.append(f"{name}: an amount over 1 must be a whole number (Ray's rule), got {amount!r}")
+        if problems:
+            raise ValueError("".join(f"{p}\n" for p in problems))  # one line a key: _problems names each
+        return v
 
 
 class Autoscaling(BaseModel):
@@ -278,8 +311,8 @@ def _problems(e: ValidationError) -> list[str]:
         path = ".".join(str(p) for p in err.get("loc", ()))
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
-        if not path and "\n" in msg:  # a whole block's problems (engine, an embedding spec's), one a line
-            out.extend(msg.splitlines())
+        if "\n" in msg:  # a whole block's problems (engine, an embedding spec's, custom resources), one a line
+            out.extend(f"{path}.{line}" if path else line for line in msg.splitlines() if line)
             continue
         head, _, rest = msg.partition(": ")
         if rest and head.isidentifier() and " " not in head:  # "max_replicas: ..." raised inside a model

@@ -102,14 +102,16 @@ def resource_shortfall(spec: ModelSpec) -> str | None:
     autoscales may still add such a node, so this warns and does not refuse."""
     import ray
 
-    need = {"GPU": spec.resources.num_gpus, "CPU": spec.resources.num_cpus}
+    need = {"GPU": spec.resources.num_gpus, "CPU": spec.resources.num_cpus, **spec.resources.custom}
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     if any(all(node.get(k, 0.0) >= v for k, v in need.items() if v) for node in nodes):
         return None
     most = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in need}
-    return (f"no node of this cluster has {need['GPU']:g} GPUs and {need['CPU']:g} CPUs for one replica (the largest "
-            f"has {most['GPU']:g} GPUs, {most['CPU']:g} CPUs): its replicas start only once the cluster adds such a "
-            "node, and requests wait for the cold-start bound")
+    custom = "".join(f", {v:g} {k}" for k, v in spec.resources.custom.items())
+    has = "".join(f", {most[k]:g} {k}" for k in spec.resources.custom)
+    return (f"no node of this cluster has {need['GPU']:g} GPUs and {need['CPU']:g} CPUs{custom} for one replica (the "
+            f"largest has {most['GPU']:g} GPUs, {most['CPU']:g} CPUs{has}): its replicas start only once the cluster "
+            "adds such a node, and requests wait for the cold-start bound")
 
 
 def deploy_unavailable(db: Engine, spec: ModelSpec, settings: Settings) -> None:

@@ -21,6 +21,8 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
     actor_options: dict[str, Any] = {"num_cpus": spec.resources.num_cpus, "num_gpus": spec.resources.num_gpus}
     if spec.resources.memory_gib is not None:
         actor_options["memory"] = int(spec.resources.memory_gib * 2**30)
+    if spec.resources.custom:  # the nodes its replicas may run on (a custom resource only they have)
+        actor_options["resources"] = dict(spec.resources.custom)
     # autoscaling and pricing stay out of the replicas' arguments, and the version names only what the
     # replicas are built from: changing the replica bounds or prices updates the running replicas in place
     replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})

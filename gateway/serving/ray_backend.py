@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +25,9 @@ from engine.errors import PromptTooLongError
 from gateway.backends import BackendInfo, BackendState, BackendUnavailable, GenerationChunk, GenerationRequest
 
 log = logging.getLogger("tollgate.ray_backend")
+
+# the replica's process or node ended under the request (a node lost, a replica killed): Serve starts another
+REPLICA_LOST = (RayActorError, NodeDiedError, WorkerCrashedError)
 
 COLD_START_HEADER = "x-tollgate-cold-start"
 REQUEST_ID_HEADER = "x-tollgate-request-id"
@@ -164,6 +167,10 @@ class RayModelBackend:
                     raise chunk.exception()
                 yield chunk
                 finished = chunk.finished
+        except REPLICA_LOST as e:
+            c.failed += 1
+            raise BackendUnavailable(f"The model `{self.name}` lost the replica serving this request (its process "
+                                     "or node ended); another is starting, try again shortly") from e
         except RayTaskError as e:  # the replica's own exception (ValueError, PromptTooLongError, ...)
             c.failed += 1
             cause = getattr(e, "cause", None)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from billing.db import make_engine
 from gateway.specs import load_spec, load_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,9 @@ def test_model_specs_validate() -> None:
     assert embedder.kind == "embedding" and embedder.resources.num_gpus == 0 and not embedder.tasks
 
 
-def test_rayservice_runs_the_same_applications() -> None:
+def test_rayservice_runs_the_same_applications(db_url: str) -> None:
     pytest.importorskip("ray")
+    from billing.deployments import deployment
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
@@ -57,7 +59,13 @@ def test_rayservice_runs_the_same_applications() -> None:
             assert name == model_app_name(spec.name)
             args["spec"] = str(path)
         assert callable(builder)
-        assert isinstance(builder(args), Application)
+        application = builder({**args, "database_url": db_url})
+        assert isinstance(application, Application)
+        if "spec" in args:  # recorded as `platform deploy` records it: priced and routed by the gateway
+            recorded = deployment(make_engine(db_url), spec.name)
+            assert recorded is not None and recorded.spec == spec.model_dump(mode="json")
+            options = application._bound_deployment.ray_actor_options
+            assert options["num_gpus"] == spec.resources.num_gpus and options["num_cpus"] == spec.resources.num_cpus
     assert ROOT.joinpath("platform", "models").is_dir()
 
 

@@ -29,3 +29,29 @@ def test_the_engine_sleep_settings_are_engine_fields_a_spec_may_set():
     assert spec.engine["sleep_wait_timeout_s"] == 5
     with pytest.raises(SpecError, match="engine.sleep_wait_timeout_s"):
         parse_spec({**BASE, "engine": {"sleep_wait_timeout_s": -1}})
+
+
+def test_custom_resources_pin_a_model_to_the_nodes_that_have_them():
+    pytest.importorskip("ray")
+    from gateway.serving.model_app import model_application
+    from gateway.settings import Settings
+
+    spec = parse_spec({**BASE, "resources": {"num_cpus": 0.5, "custom": {"node_b": 1}}})
+    options = model_application(spec, Settings())._bound_deployment.ray_actor_options
+    assert options == {"num_cpus": 0.5, "num_gpus": 0, "resources": {"node_b": 1.0}}
+    assert "resources" not in model_application(parse_spec(BASE), Settings())._bound_deployment.ray_actor_options
+
+
+def test_each_bad_custom_resource_is_named():
+    bad = {"node_b": 0, "GPU": 1, "two words": 1, "half": 1.5, "nan": float("nan"), "flag": True}
+    with pytest.raises(SpecError) as e:
+        parse_spec({**BASE, "resources": {"custom": bad}})
+    text = str(e.value)
+    assert "resources.custom.node_b: the amount must be > 0" in text
+    assert "resources.custom.GPU: a built-in Ray resource; use its own field (resources.num_gpus)" in text
+    assert "resources.custom.'two words': a resource name is" in text
+    assert "resources.custom.half: an amount over 1 must be a whole number" in text
+    assert "resources.custom.nan: the amount must be a finite number" in text
+    assert "resources.custom.flag: the amount must be a finite number" in text
+    with pytest.raises(SpecError, match="resources.custom: Input should be a valid dictionary"):
+        parse_spec({**BASE, "resources": {"custom": ["node_b"]}})
