@@ -73,12 +73,12 @@ def test_a_model_on_a_lost_node_is_503_until_a_node_with_its_resource_joins(db_u
     assert all(r["status"] in (200, 503) for r in requests)  # never a 500, never a timeout
     assert [r["status"] for r in by_phase["node_back"]][-2:] == [200, 200]
 
-    # the ledger: one ok event per answered request, the lost request's one failed event, nothing for the 503s
-    # refused before they ran
+    # the ledger: one ok event per answered request, nothing for the 503s refused before they ran
     answered = {r["request_id"] for r in requests if r["status"] == 200}
     with db.connect() as conn:
         events = conn.execute(select(UsageEvent.request_id, UsageEvent.status)).all()
     assert sorted(rid for rid, status in events if status == "ok") == sorted(answered)
-    # the lost request (its 503 carries no request id: it is the one event besides the answered ones)
-    assert [status for rid, status in events if rid not in answered] == ["failed"]
+    # the lost request (its 503 carries no request id): a `failed` event with what it generated when its replica had
+    # sent its first tokens, none when the node went before them (refused before it ran, like the other 503s)
+    assert [status for rid, status in events if rid not in answered] in ([], ["failed"])
     db.dispose()
