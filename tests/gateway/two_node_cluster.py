@@ -99,8 +99,9 @@ def main(db_url: str, key: str, port: int, out: Path) -> None:
     report: dict[str, Any] = {}
     settings = {"database_url": db_url, "semantic_cache": False, "key_cache_ttl_s": 0.0, "registry_refresh_s": 0.25,
                 "cold_start_timeout_s": COLD_START_TIMEOUT_S, "retry_after_s": RETRY_AFTER_S, "interval_flush_s": 2.0}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster: Cluster | None = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         node_b = cluster.add_node(num_cpus=1, resources=NODE_B)
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -145,7 +146,8 @@ def main(db_url: str, key: str, port: int, out: Path) -> None:
                 serve.shutdown()
         finally:
             ray.shutdown()
-            cluster.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
 
 
 if __name__ == "__main__":
