@@ -1,16 +1,23 @@
 """Replay a stream of QQP questions through the semantic cache: static thresholds against learned ones.
 
-    .venv/bin/python bench/cache_replay.py [--lookups 12000] [--deltas 0.01,0.02] [--out docs/benchmarks/cache_replay]
+    .venv/bin/python bench/cache_replay.py [--lookups 10000] [--deltas 0.01,0.02] [--out docs/benchmarks/cache_replay]
 
-The stream (fixed seed) is drawn from the holdout half of bench/calibrate_cache.py's split: QQP components no model
-was trained on and no threshold was calibrated on. A lookup asks a question of a duplicate cluster (questions joined
-by QQP's duplicate labels; clusters drawn with Zipf popularity; within its cluster a wording not asked yet, or 20% of
-the time any, word-for-word repeats included) 70% of the time, else a question with no duplicate (often the other side of a QQP non-duplicate pair: a hard near miss). The
-labels are the feedback oracle, as in vCache's benchmarks: a cached answer is right when its prompt is in the
-lookup's cluster. Both caches get every miss stored, and every wrong hit flagged (POST /v1/cache/feedback's path);
-the learned cache also gets the oracle's label for each `learning` lookup (standing in for comparing the model's fresh
-answer with the cached one). Reports hit and false-hit rates (false hits / lookups) per window of 1,000 lookups and
-draws them as an SVG. Runs on CPU in a few minutes (embeddings from bench/qqp_embeddings.py's file cache).
+The stream (fixed seed) is drawn from the holdout half of bench/calibrate_cache.py's split: QQP components (questions
+joined by any labelled pair) no model was trained on and no threshold was calibrated on. Each lookup is one of four
+kinds, drawn with fixed shares (a kind with nothing left to ask falls back to `new`; the realised shares are
+reported):
+- repeat (30%): a question asked before, word for word (any asked one, uniformly);
+- paraphrase (20%): a wording not asked yet of a question asked before (same QQP duplicate cluster);
+- near miss (15%): a question QQP labels a different question from one asked before (same component, another
+  cluster): the lookups a cache must not serve;
+- new (35%): a question of a component not asked yet.
+The labels are the feedback oracle, as in vCache's benchmarks: a cached answer is right when its prompt is in the
+lookup's duplicate cluster. Both caches store every lookup they do not serve, and every wrong hit is flagged
+(POST /v1/cache/feedback's path); the learned cache also gets the oracle's label for each `learning` lookup (standing
+in for comparing the model's fresh answer with the cached one), exploration included. Reported per window of 1,000
+lookups: hit rate over all lookups and over paraphrases alone (word-for-word repeats are served by both caches and
+hide the difference), and false hits per lookup; an SVG draws them. CPU, a few minutes (embeddings from
+bench/qqp_embeddings.py's file cache).
 """
 from __future__ import annotations
 
@@ -28,16 +35,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench.calibrate_cache import calibration_splits, embeddings_for  # noqa: E402
 from cache.namespace import Namespace  # noqa: E402
+from cache.pooled import ERROR_WINDOW  # noqa: E402
 
 SEED = 38
 WINDOW = 1000
-DUPLICATE_SHARE = 0.7
-REPEAT_SHARE = 0.2
-ZIPF = 1.1
+END = 2000  # "by the end of the stream": the last this many lookups
+SHARES = {"repeat": 0.30, "paraphrase": 0.20, "near_miss": 0.15, "new": 0.35}
+KINDS = tuple(SHARES)
 
 
-def clusters(pairs: list[dict]) -> dict[str, int]:
-    """Question -> cluster id: questions joined by duplicate labels; every other question alone."""
+def union_find(pairs: list[dict], duplicates_only: bool) -> dict[str, int]:
+    """Question -> group id: questions joined by duplicate labels (clusters) or by any pair (components)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -48,48 +56,96 @@ def clusters(pairs: list[dict]) -> dict[str, int]:
         return x
 
     for p in pairs:
-        find(p["text_a"]), find(p["text_b"])
-        if p["label"]:
-            ra, rb = find(p["text_a"]), find(p["text_b"])
-            if ra != rb:
-                parent[ra] = rb
+        ra, rb = find(p["text_a"]), find(p["text_b"])
+        if (p["label"] or not duplicates_only) and ra != rb:
+            parent[ra] = rb
     roots = {r: i for i, r in enumerate(sorted({find(q) for q in parent}))}
     return {q: roots[find(q)] for q in parent}
 
 
-def stream(cluster_of: dict[str, int], n: int, rng: np.random.Generator) -> list[str]:
-    members: dict[int, list[str]] = {}
-    for q, c in sorted(cluster_of.items()):
-        members.setdefault(c, []).append(q)
-    groups = [m for m in members.values() if len(m) >= 2]
-    alone = [m[0] for m in members.values() if len(m) == 1]
-    order = rng.permutation(len(groups))
-    weights = 1.0 / np.arange(1, len(groups) + 1) ** ZIPF
-    weights /= weights.sum()
-    asked: set[str] = set()
-    out = []
+def clusters(pairs: list[dict]) -> dict[str, int]:
+    return union_find(pairs, duplicates_only=True)
+
+
+class Pool:
+    """A set to draw from uniformly, deterministically (insertion order plus the generator)."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.where: dict[str, int] = {}
+
+    def add(self, x: str) -> None:
+        if x not in self.where:
+            self.where[x] = len(self.items)
+            self.items.append(x)
+
+    def discard(self, x: str) -> None:
+        i = self.where.pop(x, None)
+        if i is not None:
+            last = self.items.pop()
+            if i < len(self.items):
+                self.items[i] = last
+                self.where[last] = i
+
+    def draw(self, rng: np.random.Generator) -> str:
+        return self.items[rng.integers(len(self.items))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def stream(pairs: list[dict], n: int, rng: np.random.Generator) -> tuple[list[str], list[str], dict[str, int]]:
+    """(questions, their kinds, question -> cluster) for n lookups (see the module's docstring)."""
+    cluster_of, component_of = clusters(pairs), union_find(pairs, duplicates_only=False)
+    in_component: dict[int, list[str]] = {}
+    for q in sorted(cluster_of):
+        in_component.setdefault(component_of[q], []).append(q)
+    components = list(rng.permutation(sorted(in_component)))
+    asked, paraphrases, near_misses = Pool(), Pool(), Pool()
+    asked_clusters: set[int] = set()
+    questions, kinds = [], []
     for _ in range(n):
-        if rng.random() < DUPLICATE_SHARE:
-            group = groups[order[rng.choice(len(groups), p=weights)]]
-            fresh = [q for q in group if q not in asked]
-            # mostly a wording not asked before (a paraphrase), else any (a word-for-word repeat)
-            pool = fresh if fresh and rng.random() >= REPEAT_SHARE else group
-            out.append(pool[rng.integers(len(pool))])
+        kind = KINDS[rng.choice(len(KINDS), p=list(SHARES.values()))]
+        pool = {"repeat": asked, "paraphrase": paraphrases, "near_miss": near_misses}.get(kind)
+        if pool is not None and len(pool):
+            q = pool.draw(rng)
         else:
-            out.append(alone[rng.integers(len(alone))])
-        asked.add(out[-1])
-    return out
+            kind, c = "new", components.pop()
+            q = in_component[c][rng.integers(len(in_component[c]))]
+            for other in in_component[c]:  # the component's other questions are now near misses or paraphrases
+                near_misses.add(other)
+        questions.append(q)
+        kinds.append(kind)
+        if q not in asked.where:
+            asked.add(q)
+            paraphrases.discard(q)
+            near_misses.discard(q)
+            if cluster_of[q] not in asked_clusters:
+                asked_clusters.add(cluster_of[q])
+                for other in in_component[component_of[q]]:
+                    if cluster_of[other] == cluster_of[q] and other not in asked.where:
+                        near_misses.discard(other)
+                        paraphrases.add(other)
+    return questions, kinds, cluster_of
 
 
-def replay(questions: list[str], vecs: dict[str, np.ndarray], cluster_of: dict[str, int], delta: float,
-           learn: bool, embedder, verifier) -> dict:
+def rates(hits: np.ndarray, wrong: np.ndarray, kinds: np.ndarray) -> dict:
+    paraphrase = kinds == "paraphrase"
+    return {"hit_rate": round(float(hits.mean()), 4),
+            "paraphrase_hit_rate": round(float(hits[paraphrase].mean()), 4) if paraphrase.any() else None,
+            "false_hit_rate": round(float(wrong.mean()), 4), "false_hits": int(wrong.sum())}
+
+
+def replay(questions: list[str], kinds: list[str], vecs: dict[str, np.ndarray], cluster_of: dict[str, int],
+           delta: float, learn: bool, embedder, verifier, error_window: int | None = ERROR_WINDOW) -> dict:
+    """`error_window`: the learned cache's bound holds per window of that many lookups, or on average (None)."""
     from cache.semantic_cache import SemanticCache
 
-    cache = SemanticCache(None, embedder=embedder, verifier=verifier, learn=learn)
+    cache = SemanticCache(None, embedder=embedder, verifier=verifier, learn=learn, seed=SEED,
+                          error_window=error_window)
     ns = Namespace("replay", "qqp")
-    hits = np.zeros(len(questions), bool)
-    wrong = np.zeros(len(questions), bool)
-    learning = np.zeros(len(questions), bool)
+    n = len(questions)
+    hits, wrong, learning, explored = (np.zeros(n, bool) for _ in range(4))
     latencies = []
     for i, q in enumerate(questions):
         t0 = time.perf_counter()
@@ -99,49 +155,59 @@ def replay(questions: list[str], vecs: dict[str, np.ndarray], cluster_of: dict[s
             hits[i] = True
             if cluster_of[found.hit.cached_prompt] != cluster_of[q]:
                 wrong[i] = True
-                cache.label(ns, found.entry_id, found.score, False)  # the client flags it
+                cache.note_served(f"replay-{i}", ns, found)  # the client flags it
+                cache.flag(ns.tenant, f"replay-{i}")
             continue
-        if found.state == "learning":
-            learning[i] = True
+        if found.state == "learning":  # the model answers; the oracle says whether the answers agree
+            learning[i], explored[i] = True, found.explored
             same = cluster_of[cache._entries[found.entry_id].prompt] == cluster_of[q]
-            cache.label(ns, found.entry_id, found.score, same)
+            cache.label(ns, found.entry_id, found.score, same, explored=found.explored)
         cache.store(ns, q, f"answer {cluster_of[q]}", {}, embedding=vecs[q])
+    learned = cache.learned_thresholds(ns.tenant).get(delta)
     cache.close()
-    windows = []
-    for start in range(0, len(questions), WINDOW):
-        h, w = hits[start:start + WINDOW], wrong[start:start + WINDOW]
-        windows.append({"start": start, "hit_rate": round(float(h.mean()), 4),
-                        "false_hit_rate": round(float(w.mean()), 4)})
-    return {"delta": delta, "learned": learn, "hit_rate": round(float(hits.mean()), 4),
-            "false_hit_rate": round(float(wrong.mean()), 4), "learning_lookups": int(learning.sum()),
+    k = np.array(kinds)
+    windows = [{"start": a, **rates(hits[a:a + WINDOW], wrong[a:a + WINDOW], k[a:a + WINDOW])}
+               for a in range(0, n, WINDOW)]
+    return {"delta": delta, "learned": learn, "error_window": error_window if learn else None, **rates(hits, wrong, k),
+            "end": rates(hits[-END:], wrong[-END:], k[-END:]),
+            "by_kind": {kind: round(float(hits[k == kind].mean()), 4) for kind in KINDS if (k == kind).any()},
+            "learning_lookups": int(learning.sum()), "explored_lookups": int(explored.sum()),
+            "threshold_at_end": None if learned is None else round(learned, 5),
             "max_window_false_hit_rate": max(x["false_hit_rate"] for x in windows),
-            "last_window_hit_rate": windows[-1]["hit_rate"],
             "lookup_ms_p50": round(float(np.percentile(latencies, 50)) * 1e3, 3),
             "lookup_ms_p99": round(float(np.percentile(latencies, 99)) * 1e3, 3), "windows": windows}
 
 
+def name(run: dict) -> str:
+    if not run["learned"]:
+        return "static"
+    return "learned" if run["error_window"] else "learned, bound on average"
+
+
 def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
-    """Hit rate (solid) and false-hit rate (dashed, x10) per window for each run, as plain SVG."""
-    colors = {(0.01, False): "#888", (0.01, True): "#1f77b4", (0.02, False): "#bbb", (0.02, True): "#d62728"}
+    """Hit rate on paraphrases (solid) and false hits per lookup (dashed, x10) per window for each run, as plain SVG."""
+    colors = {(0.01, "static"): "#888", (0.01, "learned"): "#1f77b4", (0.02, "static"): "#bbb",
+              (0.02, "learned"): "#d62728"}
+    runs = [r for r in runs if (r["delta"], name(r)) in colors]
     pad, top = 50, 30
     n = len(runs[0]["windows"])
     x = lambda i: pad + i * (width - 2 * pad) / max(n - 1, 1)  # noqa: E731
     y = lambda v: top + (1 - v) * (height - top - 40)  # noqa: E731
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
-             f'<text x="{pad}" y="16" font-size="13">Semantic cache replay (QQP holdout): hit rate (solid) and '
-             f'false-hit rate x10 (dashed) per {WINDOW:,} lookups</text>']
+             f'<text x="{pad}" y="16" font-size="13">Semantic cache replay (QQP holdout): hit rate on paraphrases (solid) '
+             f'and false hits per lookup x10 (dashed), per {WINDOW:,} lookups</text>']
     for v in (0, 0.25, 0.5, 0.75, 1.0):
         parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>'
                      f'<text x="{pad - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
     for k, r in enumerate(runs):
-        color = colors.get((r["delta"], r["learned"]), "#2ca02c")
-        hit = " ".join(f"{x(i):.1f},{y(w['hit_rate']):.1f}" for i, w in enumerate(r["windows"]))
+        color = colors[(r["delta"], name(r))]
+        hit = " ".join(f"{x(i):.1f},{y(w['paraphrase_hit_rate'] or 0):.1f}" for i, w in enumerate(r["windows"]))
         false = " ".join(f"{x(i):.1f},{y(min(1.0, 10 * w['false_hit_rate'])):.1f}" for i, w in enumerate(r["windows"]))
         parts.append(f'<polyline points="{hit}" fill="none" stroke="{color}" stroke-width="2"/>')
         parts.append(f'<polyline points="{false}" fill="none" stroke="{color}" stroke-width="1.5" '
                      f'stroke-dasharray="4 3"/>')
-        label = f"δ={r['delta']:g} {'learned' if r['learned'] else 'static'}"
+        label = f"δ={r['delta']:g} {name(r)}"
         parts.append(f'<text x="{width - pad - 150}" y="{top + 14 + 14 * k}" fill="{color}">{label}</text>')
     parts.append(f'<text x="{width / 2:.0f}" y="{height - 8}" text-anchor="middle">lookups (x{WINDOW:,})</text>')
     parts.append("</svg>")
@@ -150,7 +216,7 @@ def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lookups", type=int, default=12_000)
+    ap.add_argument("--lookups", type=int, default=10_000)
     ap.add_argument("--deltas", default="0.01,0.02")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "cache_replay")
     args = ap.parse_args(argv)
@@ -160,24 +226,29 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     calibrate, holdout, dev = calibration_splits()
     index, table = embeddings_for(calibrate + holdout, dev)
-    cluster_of = clusters(holdout)
-    questions = stream(cluster_of, args.lookups, np.random.default_rng(SEED))
+    questions, kinds, cluster_of = stream(holdout, args.lookups, np.random.default_rng(SEED))
     vecs = {q: table[index[q]] for q in set(questions)}
+    mix = {kind: round(kinds.count(kind) / len(kinds), 4) for kind in KINDS}
+    print(f"{len(questions)} lookups, {len(set(questions))} distinct questions; mix {mix}", flush=True)
     embedder, verifier = shared_embedder(), load_default_verifier()
     runs = []
     for delta in (float(d) for d in args.deltas.split(",")):
-        for learn in (False, True):
-            runs.append(replay(questions, vecs, cluster_of, delta, learn, embedder, verifier))
+        for learn, window in ((False, None), (True, ERROR_WINDOW), (True, None)):
+            runs.append(replay(questions, kinds, vecs, cluster_of, delta, learn, embedder, verifier, window))
             r = runs[-1]
-            print(f"δ={delta:g} {'learned' if learn else 'static '}: hit {r['hit_rate']:.3f} (last window "
-                  f"{r['last_window_hit_rate']:.3f}), false hits {r['false_hit_rate']:.4f} (worst window "
-                  f"{r['max_window_false_hit_rate']:.4f}), learning lookups {r['learning_lookups']}, "
-                  f"lookup p99 {r['lookup_ms_p99']} ms", flush=True)
+            print(f"δ={delta:g} {name(r)}: hit {r['hit_rate']:.3f}, paraphrases "
+                  f"{r['paraphrase_hit_rate']:.3f} (last {END:,}: {r['end']['paraphrase_hit_rate']:.3f}), false hits "
+                  f"{r['false_hit_rate']:.4f} (worst window {r['max_window_false_hit_rate']:.4f}), learning "
+                  f"{r['learning_lookups']} ({r['explored_lookups']} explored), threshold at the end "
+                  f"{r['threshold_at_end']}, by kind {r['by_kind']}", flush=True)
+        static, learned = runs[-3], runs[-2]
+        for key, a, b in (("all lookups", static, learned), (f"paraphrases, last {END:,}", static["end"], learned["end"]),
+                          ("paraphrases", static, learned)):
+            field = "hit_rate" if key == "all lookups" else "paraphrase_hit_rate"
+            print(f"  learned / static, {key}: {b[field] / a[field]:.2f}x", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"lookups": args.lookups, "seed": SEED, "window": WINDOW, "duplicate_share": DUPLICATE_SHARE,
-               "repeat_share": REPEAT_SHARE,
-               "distinct_questions": len(set(questions)),
-               "exact_repeats": int(len(questions) - len(set(questions))), "runs": runs,
+    summary = {"lookups": args.lookups, "seed": SEED, "window": WINDOW, "end": END, "shares_asked": SHARES,
+               "mix": mix, "distinct_questions": len(set(questions)), "runs": runs,
                "seconds": round(time.time() - t0, 1)}
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     args.out.with_suffix(".svg").write_text(chart(runs))

@@ -44,6 +44,10 @@ class FalseHitBounds:
         return cls([Bound(d, threshold, threshold) for d in OFFERED])
 
     @property
+    def all(self) -> list[Bound]:
+        return list(self._bounds)
+
+    @property
     def choices(self) -> tuple[float, ...]:
         return tuple(b.max_false_hit_rate for b in self._bounds)
 

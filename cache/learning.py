@@ -1,6 +1,7 @@
 """Per-entry thresholds that learn from labels (after vCache, Schroeder et al., ICLR 2026).
 
-Every entry starts at its tenant's calibrated threshold (cache/bounds.py). Labels come from two places:
+Every entry starts at its tenant's threshold: the calibrated one (cache/bounds.py), or the one learned from the
+tenant's labelled lookups (cache/pooled.py). Labels come from two places:
 - a lookup whose best candidate scored between the learning floor and the entry's threshold is answered by the model
   anyway; the fresh answer agreeing with the cached one (the same text, or embeddings at ANSWER_AGREEMENT or closer)
   says the two prompts asked the same thing at that score, disagreeing says they did not;
@@ -46,11 +47,12 @@ class EntryLabels:
         wrong = self.wrong_max
         return None if wrong is None else wrong + (1.0 - wrong) * WRONG_NEIGHBOURHOOD
 
-    def threshold(self, bound: Bound) -> float:
-        """The score from which this entry serves at the bound's δ."""
+    def threshold(self, bound: Bound, start: float | None = None) -> float:
+        """The score from which this entry serves at the bound's δ; `start`: where its tenant's lookups are served
+        before this entry's own labels count (cache/pooled.py; default the bound's calibrated threshold)."""
         blocked = self.blocked_up_to
         same = [s for s, ok in self.labels if ok and (blocked is None or s > blocked)]
-        t = bound.threshold
+        t = bound.threshold if start is None else start
         if same:
             t = min(t, max(bound.learning_floor, min(same)))
         if blocked is not None:

@@ -3,6 +3,7 @@ bound, SQLite."""
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -16,12 +17,14 @@ from cache.bounds import Bound, FalseHitBounds, shipped_bounds
 from cache.index import HNSW_THRESHOLD, NamespaceIndex
 from cache.learning import ANSWER_AGREEMENT, EntryLabels, normalized
 from cache.namespace import Namespace
+from cache.pooled import ERROR_WINDOW, EXPLORE, TenantCalibration
 from cache.store import EntryStore, StoredEntry
 from cache.types import CacheStats, Flagged, Hit, Lookup
 from cache.verifier import DEFAULT_ARTIFACT, Verifier
 from tollgate import envs
 
 DB_FILENAME = "semantic_cache.sqlite3"
+SAVE_EVERY_LABELS = 20  # a tenant's learned state is written after this many labels (and on close)
 
 
 class TextEncoder(Protocol):
@@ -58,10 +61,16 @@ class SemanticCache:
         clock: Callable[[], float] = time.time,
         bounds: FalseHitBounds | None = None,
         learn: bool = True,
+        explore: float = EXPLORE,
+        seed: int | None = None,
+        error_window: int | None = ERROR_WINDOW,
     ) -> None:
         """`bounds`: the threshold for each false-hit bound (default: the shipped table when the verifier is the
         shipped one it was calibrated for, else the verifier's own threshold for every bound). `learn`: whether
-        entries' thresholds move with labels (cache/learning.py); off, every entry keeps its bound's threshold."""
+        thresholds move with labels, each tenant's (cache/pooled.py) and each entry's (cache/learning.py); off, every
+        entry keeps its bound's threshold. `explore`: the share of would-be hits (not word-for-word repeats) returned
+        as `learning` so the model's answer labels them; `seed` fixes which. `error_window`: a learned threshold keeps the
+        false hits of every window of this many lookups <= δ (None: on average; cache/pooled.py)."""
         if embedder is None:
             from cache.embedder import shared_embedder
 
@@ -70,6 +79,9 @@ class SemanticCache:
         self.verifier = verifier or load_default_verifier()
         self.bounds = bounds or default_bounds(self.verifier)
         self.learn_enabled = learn
+        self.explore = explore if learn else 0.0
+        self.error_window = error_window
+        self._rng = random.Random(seed)
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.top_k = top_k
@@ -86,6 +98,8 @@ class SemanticCache:
         self._indexes: dict[tuple[str, str], NamespaceIndex] = {}
         self._exact: dict[tuple[str, str, str], int] = {}
         self._stats: dict[str, CacheStats] = {}
+        self._calibrations: dict[str, TenantCalibration] = {}
+        self._unsaved_labels: dict[str, int] = {}
         self._load()
         self._next_id = self._store.next_id()
 
@@ -103,9 +117,11 @@ class SemanticCache:
         with self._lock:  # the same prompt in the same namespace needs neither the embedder nor the verifier
             exact = self._exact_hit(namespace, prompt, now, bound)
             if exact is not None:
+                self._observe(namespace.tenant, None)
                 return self._count(namespace, exact, now)
         if embedding is None and not self.embedder.sees_all_of(prompt):
             with self._lock:  # longer than the embedder reads: only the very same text may be served
+                self._observe(namespace.tenant, None)
                 return self._count(namespace, Lookup("miss"), now)
         q = self._embed(prompt) if embedding is None else embedding
         now = self._clock()
@@ -113,10 +129,11 @@ class SemanticCache:
             return self._count(namespace, self._best_candidate(namespace, prompt, q, now, bound), now)
 
     def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
-              answer_embedding: np.ndarray | None = None) -> bool | None:
-        """The model's fresh `answer` to a prompt that scored `score` against entry `entry_id` (a `learning` lookup)
-        labels the entry: the same answer (word for word, or embeddings at ANSWER_AGREEMENT or closer) says the two
-        prompts ask the same thing. Returns the label, or None when the entry is gone or another namespace's."""
+              answer_embedding: np.ndarray | None = None, explored: bool = False) -> bool | None:
+        """The model's fresh `answer` to a prompt that scored `score` against entry `entry_id` (a `learning` lookup;
+        `explored`: its Lookup.explored) labels the entry: the same answer (word for word, or embeddings at
+        ANSWER_AGREEMENT or closer) says the two prompts ask the same thing. Returns the label, or None when the entry
+        is gone or another namespace's."""
         with self._lock:
             entry = self._entries.get(entry_id)
             if entry is None or entry.tenant != namespace.tenant or entry.namespace != namespace.key:
@@ -127,11 +144,15 @@ class SemanticCache:
             vecs = self.embedder.encode([cached, answer]) if answer_embedding is None else np.stack(
                 [self.embedder.encode([cached])[0], answer_embedding])
             same = float(vecs[0] @ vecs[1]) >= ANSWER_AGREEMENT
-        self.label(namespace, entry_id, score, same)
+        self.label(namespace, entry_id, score, same, explored=explored)
         return same
 
-    def label(self, namespace: Namespace, entry_id: int, score: float, same: bool) -> None:
-        """Records that a prompt scoring `score` against the entry asked the same question (or not)."""
+    def label(self, namespace: Namespace, entry_id: int, score: float, same: bool, pooled: bool = True,
+              explored: bool = False) -> None:
+        """Records that a prompt scoring `score` against the entry asked the same question (or not). `pooled`: the
+        label also teaches the tenant's threshold (cache/pooled.py): true for lookups labelled whatever their answer
+        (`learning` ones), false for flags, which only wrong hits produce. `explored`: the lookup was a would-be hit
+        sent to the model (Lookup.explored), one of a share `explore` of them."""
         if not self.learn_enabled and same:
             return
         with self._lock:
@@ -143,6 +164,31 @@ class SemanticCache:
                 self._remove([entry_id])
             else:
                 self._store.save_labels(entry_id, entry.labels.to_json())
+            if not (pooled and self.learn_enabled):
+                return
+            calibration = self._calibration(namespace.tenant)
+            calibration.add_label(score, same, 1.0 / self.explore if explored and self.explore else 1.0)
+            scores, labels = calibration.snapshot()
+        thresholds = TenantCalibration.refit(scores, labels, self.bounds.all, self.error_window)  # outside the lock: lookups go on
+        with self._lock:
+            calibration.thresholds = thresholds
+            unsaved = self._unsaved_labels[namespace.tenant] = self._unsaved_labels.get(namespace.tenant, 0) + 1
+            if unsaved >= SAVE_EVERY_LABELS:
+                self._save_calibration(namespace.tenant)
+
+    def learned_thresholds(self, tenant: str) -> dict[float, float]:
+        """δ -> the threshold this tenant's lookups are served from now (the calibrated one where nothing is learned
+        yet); an entry's own labels may move it further (cache/learning.py)."""
+        with self._lock:
+            calibration = self._calibrations.get(tenant)
+            return {b.max_false_hit_rate: b.threshold if calibration is None else calibration.threshold(b)
+                    for b in self.bounds.all}
+
+    def label_count(self, tenant: str) -> int:
+        """The labels the tenant's threshold was learned from (the latest cache/pooled.py keeps)."""
+        with self._lock:
+            calibration = self._calibrations.get(tenant)
+            return 0 if calibration is None else len(calibration.labels)
 
     def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
         """Remembers which entry answered `response_id`, so its client can flag the answer (flag())."""
@@ -163,7 +209,7 @@ class SemanticCache:
             entry = self._entries.get(row.entry_id)
             if entry is None:
                 return Flagged(response_id, row.entry_id, row.score, True, None)
-            self.label(Namespace(entry.tenant, entry.namespace), row.entry_id, row.score, False)
+            self.label(Namespace(entry.tenant, entry.namespace), row.entry_id, row.score, False, pooled=False)
             removed = row.entry_id not in self._entries
             threshold = None if removed else entry.labels.threshold(self.bounds.at(None))
             return Flagged(response_id, row.entry_id, row.score, removed, threshold)
@@ -215,6 +261,8 @@ class SemanticCache:
                 self._forget(i)
             for key in [k for k in self._indexes if k[0] == tenant]:
                 del self._indexes[key]
+            self._calibrations.pop(tenant, None)
+            self._unsaved_labels.pop(tenant, None)
             self._store.delete_tenant(tenant)
             return len(ids)
 
@@ -246,6 +294,9 @@ class SemanticCache:
         return len(self._entries)
 
     def close(self) -> None:
+        with self._lock:
+            for tenant in list(self._unsaved_labels):
+                self._save_calibration(tenant)
         self._store.close()
 
     # ---- internals --------------------------------------------------------------------------
@@ -273,11 +324,27 @@ class SemanticCache:
         self._store.bump_counters(namespace.tenant, 1, 1, pt, ct, dollars)
         return lookup
 
+    def _calibration(self, tenant: str) -> TenantCalibration:
+        calibration = self._calibrations.get(tenant)
+        if calibration is None:
+            calibration = self._calibrations[tenant] = TenantCalibration()
+        return calibration
+
+    def _observe(self, tenant: str, score: float | None) -> None:
+        if self.learn_enabled:
+            self._calibration(tenant).observe(score)
+
+    def _save_calibration(self, tenant: str) -> None:
+        calibration = self._calibrations.get(tenant)
+        if calibration is not None:
+            self._store.save_calibration(tenant, calibration.to_json())
+        self._unsaved_labels.pop(tenant, None)
+
     def _entry_threshold(self, entry: _Entry, bound: Bound) -> float:
         if not self.learn_enabled:
             blocked = entry.labels.blocked_up_to  # flags still count: a flagged answer is never served there again
             return bound.threshold if blocked is None else max(bound.threshold, math.nextafter(blocked, math.inf))
-        return entry.labels.threshold(bound)
+        return entry.labels.threshold(bound, self._calibration(entry.tenant).threshold(bound))
 
     def _exact_hit(self, ns: Namespace, prompt: str, now: float, bound: Bound) -> Lookup | None:
         """The live entry stored for this very prompt in this namespace, if any (an expired one is left to
@@ -293,6 +360,7 @@ class SemanticCache:
     def _best_candidate(self, ns: Namespace, prompt: str, q: np.ndarray, now: float, bound: Bound) -> Lookup:
         index = self._indexes.get((ns.tenant, ns.key))
         if index is None:
+            self._observe(ns.tenant, None)
             return Lookup("miss")
         cands: list[tuple[int, float]] = []
         expired: list[int] = []
@@ -309,10 +377,12 @@ class SemanticCache:
         if expired:
             self._remove(expired)
         if not cands:
+            self._observe(ns.tenant, None)
             return Lookup("miss")
         texts = [self._entries[i].prompt for i, _ in cands]
         vecs = np.stack([index.vector(i) for i, _ in cands])
         probs = self.verifier.score_pairs([prompt] * len(cands), texts, np.repeat(q[None, :], len(cands), 0), vecs)
+        self._observe(ns.tenant, float(np.max(probs)))
         thresholds = [self._entry_threshold(self._entries[i], bound) for i, _ in cands]
         serving = [j for j in range(len(cands)) if probs[j] >= thresholds[j]]
         if serving:  # the most likely same question among the entries that serve at their scores
@@ -320,6 +390,8 @@ class SemanticCache:
             entry_id, cos = cands[j]
             entry = self._entries[entry_id]
             score = float(probs[j])
+            if self.explore and self._rng.random() < self.explore:  # the model answers: a label where it serves
+                return Lookup("learning", None, entry_id, score, thresholds[j], explored=True)
             hit = Hit(entry_id, entry.answer, dict(entry.usage), cos, score, entry.prompt, thresholds[j])
             return Lookup("hit", hit, entry_id, score, thresholds[j])
         j = int(np.argmax(probs))
@@ -383,6 +455,8 @@ class SemanticCache:
         self._store.delete(expired)
         for tenant, (lookups, hits, pt, ct, dollars) in self._store.counters().items():
             self._stats[tenant] = CacheStats(lookups, hits, pt, ct, dollars)
+        for tenant, state in self._store.calibrations().items():
+            self._calibrations[tenant] = TenantCalibration.from_json(state)
         self._evict_over_bound()
 
 

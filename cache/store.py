@@ -40,6 +40,10 @@ CREATE TABLE IF NOT EXISTS served (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS served_created ON served (created);
+CREATE TABLE IF NOT EXISTS calibrations (
+    tenant TEXT PRIMARY KEY,
+    state TEXT NOT NULL
+);
 """
 # columns added after the first release: (table, column, definition); added in place to an older file
 ADDED_COLUMNS = (("entries", "labels", "TEXT NOT NULL DEFAULT '[]'"),)
@@ -116,10 +120,22 @@ class EntryStore:
         with self._lock:
             self._db.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
             self._db.execute("DELETE FROM served WHERE tenant = ?", (tenant,))
+            self._db.execute("DELETE FROM calibrations WHERE tenant = ?", (tenant,))
 
     def save_labels(self, entry_id: int, labels: list) -> None:
         with self._lock:
             self._db.execute("UPDATE entries SET labels = ? WHERE id = ?", (json.dumps(labels), entry_id))
+
+    def save_calibration(self, tenant: str, state: dict) -> None:
+        """cache/pooled.py's state for one tenant (its recent lookups' scores, its labels, its learned thresholds)."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO calibrations (tenant, state) VALUES (?, ?)",
+                             (tenant, json.dumps(state)))
+
+    def calibrations(self) -> dict[str, dict]:
+        with self._lock:
+            rows = self._db.execute("SELECT tenant, state FROM calibrations").fetchall()
+        return {r[0]: json.loads(r[1]) for r in rows}
 
     def record_served(self, response_id: str, tenant: str, entry_id: int, score: float, now: float) -> None:
         with self._lock:

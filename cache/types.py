@@ -18,14 +18,15 @@ class Hit:
 
 @dataclass(frozen=True)
 class Lookup:
-    """A lookup's outcome: hit (served), learning (the best candidate scored near its entry's threshold: the model
-    answers and its answer teaches the entry), or miss."""
+    """A lookup's outcome: hit (served), learning (the best candidate scored near its entry's threshold, or a would-be
+    hit picked to explore: the model answers and its answer teaches the entry and its tenant), or miss."""
 
     state: str  # hit | learning | miss
     hit: Hit | None = None
     entry_id: int | None = None  # the candidate served or learned from
     score: float | None = None  # its verifier score
     threshold: float | None = None  # its entry's threshold at the bound asked
+    explored: bool = False  # a would-be hit sent to the model on purpose, to label the tenant's threshold
 
 
 @dataclass(frozen=True)

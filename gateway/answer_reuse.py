@@ -121,7 +121,7 @@ class AnswerReuse:
         try:
             if learning is not None and learning.entry_id is not None and learning.score is not None:
                 await asyncio.to_thread(self.cache.learn, decision.namespace, learning.entry_id, learning.score,
-                                        answer)
+                                        answer, None, learning.explored)
             await asyncio.to_thread(self.cache.store, decision.namespace, decision.prompt, answer, usage)
         except Exception:
             log.exception("semantic cache store failed")

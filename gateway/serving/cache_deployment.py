@@ -31,8 +31,9 @@ class SemanticCacheServer:
     def consult(self, namespace: Namespace, prompt: str, max_false_hit_rate: float | None) -> Lookup:
         return self.cache.consult(namespace, prompt, None, max_false_hit_rate)
 
-    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str) -> bool | None:
-        return self.cache.learn(namespace, entry_id, score, answer)
+    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
+              explored: bool = False) -> bool | None:
+        return self.cache.learn(namespace, entry_id, score, answer, None, explored)
 
     def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
         self.cache.note_served(response_id, namespace, lookup)
@@ -64,8 +65,10 @@ class ServeCacheClient:
                 max_false_hit_rate: float | None = None) -> Lookup:
         return self.handle.consult.remote(namespace, prompt, max_false_hit_rate).result(timeout_s=LOOKUP_TIMEOUT_S)
 
-    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str) -> bool | None:
-        return self.handle.learn.remote(namespace, entry_id, score, answer).result(timeout_s=STORE_TIMEOUT_S)
+    def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
+              answer_embedding: None = None, explored: bool = False) -> bool | None:
+        return self.handle.learn.remote(namespace, entry_id, score, answer, explored).result(
+            timeout_s=STORE_TIMEOUT_S)
 
     def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
         self.handle.note_served.remote(response_id, namespace, lookup).result(timeout_s=STORE_TIMEOUT_S)

@@ -54,6 +54,9 @@ def make_cache(embedder, verifier, clock, tmp_path) -> Callable:
 
     def make(directory: Path | None = tmp_path / "cache", **kwargs):
         kwargs.setdefault("clock", clock)
+        # no random exploration unless a test asks for it: a would-be hit stays a hit (tests/cache/test_pooled.py
+        # covers exploration)
+        kwargs.setdefault("explore", 0.0)
         cache = SemanticCache(directory, embedder=embedder, verifier=verifier, **kwargs)
         made.append(cache)
         return cache
