@@ -18,7 +18,7 @@ from cache.index import HNSW_THRESHOLD, NamespaceIndex
 from cache.learning import ANSWER_AGREEMENT, EntryLabels, normalized
 from cache.namespace import Namespace
 from cache.pooled import ERROR_WINDOW, EXPLORE, TenantCalibration
-from cache.store import EntryStore, StoredEntry
+from cache.store import EntryStore, FlagRecord, StoredEntry
 from cache.types import CacheStats, Flagged, Hit, Lookup
 from cache.verifier import DEFAULT_ARTIFACT, Verifier
 from tollgate import envs
@@ -211,8 +211,30 @@ class SemanticCache:
                 return Flagged(response_id, row.entry_id, row.score, True, None)
             self.label(Namespace(entry.tenant, entry.namespace), row.entry_id, row.score, False, pooled=False)
             removed = row.entry_id not in self._entries
-            threshold = None if removed else entry.labels.threshold(self.bounds.at(None))
+            threshold = None if removed else self._entry_threshold(entry, self.bounds.at(None))
+            self._store.record_flag(FlagRecord(response_id, tenant, row.entry_id, entry.prompt, row.score, removed,
+                                               self._clock()))
             return Flagged(response_id, row.entry_id, row.score, removed, threshold)
+
+    def flagged(self, tenant: str | None = None, limit: int = 100) -> list[FlagRecord]:
+        """The answers clients flagged as wrong, the latest first (one tenant's, or every tenant's)."""
+        return self._store.flags(tenant, limit)
+
+    def tenant_report(self) -> dict[str, dict[str, Any]]:
+        """Per tenant with entries, flags or labels: entries, flagged answers, labels learned from, and the threshold
+        its lookups are served from at each bound (cache/pooled.py): for the dashboard."""
+        flags = self._store.flag_counts()
+        with self._lock:
+            entries: dict[str, int] = {}
+            for e in self._entries.values():
+                entries[e.tenant] = entries.get(e.tenant, 0) + 1
+            tenants = set(entries) | set(flags) | set(self._calibrations)
+            return {t: {"entries": entries.get(t, 0), "flagged": flags.get(t, 0),
+                        "labels": len(self._calibrations[t].labels) if t in self._calibrations else 0,
+                        "thresholds": {b.max_false_hit_rate: (self._calibrations[t].threshold(b)
+                                                              if t in self._calibrations else b.threshold)
+                                       for b in self.bounds.all}}
+                    for t in tenants}
 
     def store(
         self,

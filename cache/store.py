@@ -40,6 +40,16 @@ CREATE TABLE IF NOT EXISTS served (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS served_created ON served (created);
+CREATE TABLE IF NOT EXISTS flags (
+    response_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    entry_id INTEGER NOT NULL,
+    prompt TEXT NOT NULL,
+    score REAL NOT NULL,
+    removed INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS flags_tenant ON flags (tenant, created);
 CREATE TABLE IF NOT EXISTS calibrations (
     tenant TEXT PRIMARY KEY,
     state TEXT NOT NULL
@@ -61,6 +71,19 @@ class StoredEntry:
     created: float
     last_used: float
     labels: list | None = None  # cache/learning.py's (score, same question) pairs
+
+
+@dataclass(frozen=True)
+class FlagRecord:
+    """A served answer its client flagged as wrong (POST /v1/cache/feedback), kept for the dashboard."""
+
+    response_id: str
+    tenant: str
+    entry_id: int
+    prompt: str  # the cached prompt whose answer was flagged
+    score: float
+    removed: bool
+    created: float
 
 
 @dataclass(frozen=True)
@@ -121,10 +144,32 @@ class EntryStore:
             self._db.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
             self._db.execute("DELETE FROM served WHERE tenant = ?", (tenant,))
             self._db.execute("DELETE FROM calibrations WHERE tenant = ?", (tenant,))
+            self._db.execute("DELETE FROM flags WHERE tenant = ?", (tenant,))
 
     def save_labels(self, entry_id: int, labels: list) -> None:
         with self._lock:
             self._db.execute("UPDATE entries SET labels = ? WHERE id = ?", (json.dumps(labels), entry_id))
+
+    def record_flag(self, flag: FlagRecord) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO flags (response_id, tenant, entry_id, prompt, score, removed,"
+                             " created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (flag.response_id, flag.tenant, flag.entry_id, flag.prompt, flag.score, int(flag.removed),
+                              flag.created))
+
+    def flags(self, tenant: str | None, limit: int) -> list[FlagRecord]:
+        """The latest flags first, of one tenant or all."""
+        where, args = ("WHERE tenant = ?", (tenant,)) if tenant is not None else ("", ())
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT response_id, tenant, entry_id, prompt, score, removed, created FROM flags "
+                f"{where} ORDER BY created DESC, response_id LIMIT ?", (*args, limit)).fetchall()
+        return [FlagRecord(r[0], r[1], int(r[2]), r[3], float(r[4]), bool(r[5]), float(r[6])) for r in rows]
+
+    def flag_counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT tenant, COUNT(*) FROM flags GROUP BY tenant").fetchall()
+        return {r[0]: int(r[1]) for r in rows}
 
     def save_calibration(self, tenant: str, state: dict) -> None:
         """cache/pooled.py's state for one tenant (its recent lookups' scores, its labels, its learned thresholds)."""

@@ -102,6 +102,18 @@ class AnswerReuse:
             return None
         return await asyncio.to_thread(self.cache.flag, tenant_uid, response_id)
 
+    async def flagged(self, tenant_uid: str | None = None, limit: int = 100) -> list[Any]:
+        """The flagged answers (cache.store.FlagRecord), the latest first; none without a cache."""
+        if self.cache is None:
+            return []
+        return await asyncio.to_thread(self.cache.flagged, tenant_uid, limit)
+
+    async def tenant_report(self) -> dict[str, dict[str, Any]]:
+        """tenant uid -> entries, flagged answers, labels and learned thresholds (SemanticCache.tenant_report)."""
+        if self.cache is None:
+            return {}
+        return await asyncio.to_thread(self.cache.tenant_report)
+
     def store_later(self, decision: CacheDecision, answer: str, usage: dict[str, Any],
                     learning: Lookup | None = None) -> None:
         """Stores the answer in the background: the response never waits for the cache. `learning`: the lookup

@@ -10,6 +10,7 @@ from typing import Any
 from ray import serve
 
 from cache.namespace import Namespace
+from cache.store import FlagRecord
 from cache.types import Flagged, Hit, Lookup
 from gateway.app import open_semantic_cache
 from gateway.settings import Settings
@@ -43,6 +44,12 @@ class SemanticCacheServer:
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
         return self.cache.store(namespace, prompt, answer, usage)
+
+    def flagged(self, tenant: str | None = None, limit: int = 100) -> list[FlagRecord]:
+        return self.cache.flagged(tenant, limit)
+
+    def tenant_report(self) -> dict[str, dict[str, Any]]:
+        return self.cache.tenant_report()
 
     def flush(self, tenant: str) -> int:
         return self.cache.flush(tenant)
@@ -78,6 +85,12 @@ class ServeCacheClient:
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
         return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=STORE_TIMEOUT_S)
+
+    def flagged(self, tenant: str | None = None, limit: int = 100) -> list[FlagRecord]:
+        return self.handle.flagged.remote(tenant, limit).result(timeout_s=STORE_TIMEOUT_S)
+
+    def tenant_report(self) -> dict[str, dict[str, Any]]:
+        return self.handle.tenant_report.remote().result(timeout_s=STORE_TIMEOUT_S)
 
     def flush(self, tenant: str) -> int:
         return self.handle.flush.remote(tenant).result(timeout_s=STORE_TIMEOUT_S)

@@ -283,3 +283,45 @@ def test_flagging_a_word_for_word_hit_removes_the_entry(reuse_server):
     flagged = feedback(live, keys["beta"], {"response_id": hit.json()["id"]})
     assert flagged.status_code == 200 and flagged.json()["entry_removed"] is True
     assert chat(live, keys["beta"], messages=question).headers["x-tollgate-cache"] == "miss"
+
+
+def test_dashboard_shows_each_tenants_bound_hit_rate_savings_and_flagged_answers(reuse_server):
+    import csv
+    import io
+
+    from tests.gateway.test_dashboard import csrf_of
+
+    live, db, _ = reuse_server
+    create_tenant(db, "delta-co", cache_max_false_hit_rate=0.05)
+    key = create_key(db, "delta-co").key
+    create_key(db, "delta-co", cache_max_false_hit_rate=0.002)
+    chat(live, key, messages=PARIS, max_tokens=13)
+    served = chat(live, key, messages=WHICH_CITY, max_tokens=13)
+    assert served.headers["x-tollgate-cache"] == "hit"
+    assert feedback(live, key, {"response_id": served.json()["id"]}).status_code == 200
+    live.gateway.ledger.flush(10)
+
+    admin = httpx.Client(base_url=live.url, timeout=30)
+    form = admin.get("/admin/login")
+    assert admin.post("/admin/login", data={"csrf_token": csrf_of(form.text), "key": ADMIN_KEY}).status_code == 303
+    page = admin.get("/admin/cache", params={"tenant": "delta-co"})
+    assert page.status_code == 200
+    row = page.text.split('data-tenant="delta-co"')[1].split("</tr>")[0]
+    assert "5.0%" in row and "1 key with their own" in row and "(50.0%)" in row  # 1 hit of 2 requests
+    flags = page.text.split('id="cache-flags"')[1].split("</table>")[0]
+    assert served.json()["id"] in flags and "What is the capital of France?" in flags
+    assert "stopped at that score" in flags
+
+    bounds = admin.get("/admin/cache/bounds", params={"tenant": "delta-co", "format": "json"}).json()
+    assert [(b["tenant"], b["max_false_hit_rate"], b["keys_with_own_bound"], b["requests"], b["cache_hits"],
+             b["flagged"]) for b in bounds] == [("delta-co", 0.05, 1, 2, 1, 1)]
+    assert bounds[0]["serving_threshold"] == bounds[0]["calibrated_threshold"]  # nothing learned from 0 labels
+    exported = list(csv.DictReader(io.StringIO(admin.get("/admin/cache/flags", params={"tenant": "delta-co",
+                                                                                        "format": "csv"}).text)))
+    assert [(f["tenant"], f["response_id"], f["entry_removed"]) for f in exported] == [
+        ("delta-co", served.json()["id"], "false")]
+    everyone = admin.get("/admin/cache/flags", params={"format": "json"}).json()
+    assert served.json()["id"] in {f["response_id"] for f in everyone} and len(everyone) >= 1
+    nobody = admin.get("/admin/cache/flags", params={"tenant": "no-such-tenant", "format": "json"}).json()
+    assert nobody == []
+    admin.close()

@@ -102,7 +102,7 @@ def signed_in_client(d: Dashboard, key: str | None = None) -> httpx.Client:
 
 
 def test_pages_and_exports_need_a_session(dashboard):
-    for path in PAGES:
+    for path in (*PAGES, "/admin/cache/bounds", "/admin/cache/flags"):
         for query in ("", "?format=csv", "?format=json"):
             r = httpx.get(dashboard.url + path + query)
             assert r.status_code == 303 and r.headers["location"] == "/admin/login", path + query

@@ -254,6 +254,14 @@ def test_spend_views_in_chromium(dashboard, browser, tmp_path):
     hits = [s for s in SEEDED if s.cache_hit]
     assert browser.find_element(By.ID, "saved-semantic").text == usd(
         sum(dollars((s.prompt * 2 + s.completion * 6) / 1_000_000) for s in hits))  # all on big-model
+    # the semantic cache per tenant: its bound (the default here), hits of its requests, no flags without a cache
+    rows = browser.find_elements(By.CSS_SELECTOR, "#cache-bounds tbody tr")
+    by_tenant = {r.get_attribute("data-tenant"): r for r in rows}
+    for tenant in {s.tenant for s in hits}:
+        cells = by_tenant[tenant].find_elements(By.TAG_NAME, "td")
+        assert cells[1].text == "1.0% (default)"
+        assert cells[3].text.startswith(f"{sum(1 for s in hits if s.tenant == tenant):,} ")
+    assert texts(browser, "#cache-flags td") == ["No answer was flagged."]
     screenshot(browser, tmp_path / "cache.png")
 
     # the overview's cache cards: the semantic cache's hits and savings, the prefix cache's tokens and savings, apart
