@@ -186,8 +186,8 @@ def name(run: dict) -> str:
 
 def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
     """Hit rate on paraphrases (solid) and false hits per lookup (dashed, x10) per window for each run, as plain SVG."""
-    colors = {(0.01, "static"): "#888", (0.01, "learned"): "#1f77b4", (0.02, "static"): "#bbb",
-              (0.02, "learned"): "#d62728"}
+    colors = {(0.01, "static"): "#888", (0.01, "learned"): "#1f77b4", (0.01, "learned, bound on average"): "#17becf",
+              (0.02, "static"): "#bbb", (0.02, "learned"): "#d62728", (0.02, "learned, bound on average"): "#ff7f0e"}
     runs = [r for r in runs if (r["delta"], name(r)) in colors]
     pad, top = 50, 30
     n = len(runs[0]["windows"])
@@ -208,7 +208,7 @@ def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
         parts.append(f'<polyline points="{false}" fill="none" stroke="{color}" stroke-width="1.5" '
                      f'stroke-dasharray="4 3"/>')
         label = f"δ={r['delta']:g} {name(r)}"
-        parts.append(f'<text x="{width - pad - 150}" y="{top + 14 + 14 * k}" fill="{color}">{label}</text>')
+        parts.append(f'<text x="{width - pad - 190}" y="{top + 14 + 14 * k}" fill="{color}">{label}</text>')
     parts.append(f'<text x="{width / 2:.0f}" y="{height - 8}" text-anchor="middle">lookups (x{WINDOW:,})</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
