@@ -147,7 +147,8 @@ def open_semantic_cache(settings: Settings) -> Any:
 
         # torch_threads=None: leave the process's thread count to the engines running beside the cache
         return SemanticCache(settings.home / "cache", embedder=shared_embedder(torch_threads=None),
-                             ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries)
+                             ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
+                             explore=settings.cache_explore)
     except Exception:
         log.exception("semantic cache unavailable; serving without it")
         return None

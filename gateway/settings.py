@@ -52,6 +52,7 @@ class Settings(BaseModel):
     semantic_cache: bool = _default("semantic_cache")
     cache_ttl_s: float = Field(_default("cache_ttl_s"), gt=0)
     cache_max_entries: int = Field(_default("cache_max_entries"), ge=1)
+    cache_explore: float = Field(_default("cache_explore"), ge=0, le=1)
     # ---- Ray Serve platform ----
     ray_address: str | None = None
     cold_start_timeout_s: float = Field(_default("cold_start_timeout_s"), gt=0)

@@ -96,6 +96,8 @@ _DECLARED = [
     Variable("TOLLGATE_SEMANTIC_CACHE", _bool, True, "answer repeated questions from the semantic cache", "cache"),
     Variable("TOLLGATE_CACHE_TTL_S", float, 7 * 24 * 3600.0, "seconds a cached answer may be served", "cache"),
     Variable("TOLLGATE_CACHE_MAX_ENTRIES", int, 200_000, "cached answers kept (least recently hit go first)", "cache"),
+    Variable("TOLLGATE_CACHE_EXPLORE", float, 0.05,
+             "share of would-be semantic-cache hits the model answers anyway, to teach the tenant's threshold", "cache"),
     Variable("TOLLGATE_EMBEDDER_BACKEND", str, None,
              "runtime of the prompt embedder (unset: onnx on a CPU, torch on a GPU)", "cache", choices=("onnx", "torch")),
     Variable("TOLLGATE_EMBEDDER_THREADS", int, None,

@@ -53,6 +53,7 @@ def shared_db(shared_db_url: str) -> Iterator[Engine]:
 
 def make_server(db_url: str, backend: LocalEngineBackend, spec: ModelSpec, **settings: object) -> LiveServer:
     settings.setdefault("semantic_cache", False)  # on only where a test is about it (test_answer_reuse.py)
+    settings.setdefault("cache_explore", 0.0)  # a would-be hit stays a hit unless a test turns exploration on
     s = Settings(database_url=db_url, key_cache_ttl_s=0.0, **settings)
     return start(create_app(s, make_engine(db_url), {spec.name: backend}, [spec]))
 

@@ -325,3 +325,22 @@ def test_dashboard_shows_each_tenants_bound_hit_rate_savings_and_flagged_answers
     nobody = admin.get("/admin/cache/flags", params={"tenant": "no-such-tenant", "format": "json"}).json()
     assert nobody == []
     admin.close()
+
+
+def test_an_explored_would_be_hit_is_answered_by_the_model_and_teaches_the_tenant(reuse_server):
+    live, db, _ = reuse_server
+    create_tenant(db, "epsilon-co", cache_max_false_hit_rate=0.05)
+    key = create_key(db, "epsilon-co").key
+    chat(live, key, messages=PARIS, max_tokens=14)
+    cache = live.gateway.reuse.cache
+    cache.explore = 1.0
+    try:
+        explored = chat(live, key, messages=WHICH_CITY, max_tokens=14)  # a hit at 5% without exploration
+    finally:
+        cache.explore = 0.0
+    assert explored.status_code == 200 and explored.headers["x-tollgate-cache"] == "learning"
+    assert float(explored.headers["x-tollgate-cache-score"]) >= float(explored.headers["x-tollgate-cache-threshold"])
+    assert explored.json()["usage"]["completion_tokens"] > 0  # the model answered
+    with Session(db) as s:
+        tenant_uid = s.scalar(select(Tenant.uid).where(Tenant.name == "epsilon-co"))
+    assert cache.label_count(tenant_uid) == 1  # its answer labelled the lookup for the tenant's threshold
