@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['learning_lookups']} ({r['explored_lookups']} explored), threshold at the end "
                   f"{r['threshold_at_end']}, by kind {r['by_kind']}", flush=True)
         static, learned = runs[-3], runs[-2]
-        for key, a, b in (("all lookups", static, learned), (f"paraphrases, last {END:,}", static["end"], learned["end"]),
-                          ("paraphrases", static, learned)):
+        for key, a, b in (("all lookups", static, learned), ("paraphrases", static, learned),
+                          (f"paraphrases, last {END:,}", static["end"], learned["end"])):
             field = "hit_rate" if key == "all lookups" else "paraphrase_hit_rate"
             print(f"  learned / static, {key}: {b[field] / a[field]:.2f}x", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

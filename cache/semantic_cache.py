@@ -69,8 +69,8 @@ class SemanticCache:
         shipped one it was calibrated for, else the verifier's own threshold for every bound). `learn`: whether
         thresholds move with labels, each tenant's (cache/pooled.py) and each entry's (cache/learning.py); off, every
         entry keeps its bound's threshold. `explore`: the share of would-be hits (not word-for-word repeats) returned
-        as `learning` so the model's answer labels them; `seed` fixes which. `error_window`: a learned threshold keeps the
-        false hits of every window of this many lookups <= δ (None: on average; cache/pooled.py)."""
+        as `learning` so the model's answer labels them; `seed` fixes which. `error_window`: a learned threshold keeps
+        the false hits of every window of this many lookups <= δ (None: on average; cache/pooled.py)."""
         if embedder is None:
             from cache.embedder import shared_embedder
 
@@ -169,7 +169,8 @@ class SemanticCache:
             calibration = self._calibration(namespace.tenant)
             calibration.add_label(score, same, 1.0 / self.explore if explored and self.explore else 1.0)
             scores, labels = calibration.snapshot()
-        thresholds = TenantCalibration.refit(scores, labels, self.bounds.all, self.error_window)  # outside the lock: lookups go on
+        # outside the lock: lookups go on meanwhile
+        thresholds = TenantCalibration.refit(scores, labels, self.bounds.all, self.error_window)
         with self._lock:
             calibration.thresholds = thresholds
             unsaved = self._unsaved_labels[namespace.tenant] = self._unsaved_labels.get(namespace.tenant, 0) + 1

@@ -74,11 +74,11 @@ def tenant_bounds(engine: Engine, savings: list[TenantSavings], report: dict[str
 
 
 def bound_row(r: TenantBound) -> dict[str, Any]:
-    return {"tenant": r.tenant, "max_false_hit_rate": r.max_false_hit_rate, "keys_with_own_bound": r.keys_with_own_bound,
-            "requests": r.requests, "cache_hits": r.cache_hits, "hit_rate": round(r.hit_rate, 6),
-            "semantic_savings_usd": amount_text(r.semantic_usd), "entries": r.entries, "labels": r.labels,
-            "serving_threshold": round(r.serving_threshold, 6), "calibrated_threshold": round(r.calibrated_threshold, 6),
-            "flagged": r.flagged}
+    return {"tenant": r.tenant, "max_false_hit_rate": r.max_false_hit_rate,
+            "keys_with_own_bound": r.keys_with_own_bound, "requests": r.requests, "cache_hits": r.cache_hits,
+            "hit_rate": round(r.hit_rate, 6), "semantic_savings_usd": amount_text(r.semantic_usd),
+            "entries": r.entries, "labels": r.labels, "serving_threshold": round(r.serving_threshold, 6),
+            "calibrated_threshold": round(r.calibrated_threshold, 6), "flagged": r.flagged}
 
 
 @dataclass(frozen=True)

@@ -430,6 +430,24 @@ def test_shared_cache_deployment(platform: Platform) -> None:
                       if a["name"].startswith(f"SERVE_REPLICA::{GATEWAY_APP}#SemanticCache")}
     assert len(cache_replicas) == 1
 
+    # a flag through the deployment, and the dashboard's per-tenant view of it read back through the deployment
+    flagged = httpx.post(f"{platform.url}/v1/cache/feedback", json={"response_id": again.json()["id"]}, timeout=30,
+                         headers={"Authorization": f"Bearer {platform.key}"})
+    assert flagged.status_code == 200 and flagged.json()["entry_removed"] is True
+    from billing.admin_keys import create_admin_key
+    from tests.gateway.test_dashboard import csrf_of
+
+    with httpx.Client(base_url=platform.url, timeout=30) as admin:
+        form = admin.get("/admin/login")
+        signed_in = admin.post("/admin/login", data={"csrf_token": csrf_of(form.text),
+                                                     "key": create_admin_key(platform.db, "cache-view").key})
+        assert signed_in.status_code == 303
+        flags = admin.get("/admin/cache/flags", params={"tenant": "acme", "format": "json"}).json()
+        assert [(f["response_id"], f["cached_prompt"], f["entry_removed"]) for f in flags] == [
+            (again.json()["id"], "What is the capital of France?", True)]
+        [acme] = admin.get("/admin/cache/bounds", params={"tenant": "acme", "format": "json"}).json()
+        assert acme["flagged"] == 1 and acme["max_false_hit_rate"] == 0.01
+
     # the cache deployment down: requests go straight to the model
     [name] = cache_replicas
     ray.kill(ray.get_actor(name, namespace=a_namespace(name)), no_restart=True)
