@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from scipy.stats import poisson
 
 from cache.bounds import Bound
 
@@ -63,8 +62,18 @@ def per_lookup_budget(delta: float, window: int | None = ERROR_WINDOW) -> float:
     lo, hi = 0.0, float(allowed)
     for _ in range(50):  # the largest mean whose tail beyond `allowed` is <= WINDOW_TAIL
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if poisson.sf(allowed, mid) <= WINDOW_TAIL else (lo, mid)
+        lo, hi = (mid, hi) if poisson_tail(allowed, mid) <= WINDOW_TAIL else (lo, mid)
     return lo / window
+
+
+def poisson_tail(k: int, mean: float) -> float:
+    """P(X > k) for X ~ Poisson(mean): one minus the first k + 1 terms, each from the last."""
+    term = math.exp(-mean)
+    total = term
+    for i in range(1, int(k) + 1):
+        term *= mean / i
+        total += term
+    return max(0.0, 1.0 - total)
 
 
 def bin_of(scores: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 certify, never below the learning floor, never for a tenant whose labels say its near misses are wrong, and the
 cache explores a share of would-be hits so labels keep coming where it serves."""
 import numpy as np
+import pytest
 from scipy.stats import poisson
 
 from cache.bounds import Bound
@@ -50,7 +51,7 @@ def test_the_per_window_budget_keeps_a_windows_false_hits_within_the_bound():
     for delta in (0.002, 0.01, 0.02, 0.05):
         rate = per_lookup_budget(delta, 1000)
         assert rate < delta
-        assert poisson.sf(int(delta * 1000), rate * 1000) <= 0.01 < poisson.sf(int(delta * 1000), rate * 1000 * 1.05)
+        assert poisson.sf(int(delta * 1000), rate * 1000) <= 0.01 + 1e-12 < poisson.sf(int(delta * 1000), rate * 1000 * 1.05)
     assert per_lookup_budget(0.01, None) == 0.01
 
 
@@ -100,3 +101,14 @@ def test_a_flag_never_counts_as_a_pooled_label(make_cache):
     cache.flag(NS.tenant, "chatcmpl-x")
     assert cache.label_count(NS.tenant) == 0
     assert cache.consult(NS, WHICH_CITY, max_false_hit_rate=0.05).state != "hit"  # the entry stopped at once
+
+
+def test_the_window_tail_is_scipys_poisson_tail():
+    """The per-window bound's Poisson tail (computed here without scipy, which the product does not install) agrees
+    with scipy's survival function."""
+    from scipy.stats import poisson
+
+    from cache.pooled import poisson_tail
+
+    for k, mean in [(0, 0.5), (10, 3.2), (20, 11.7), (50, 40.0), (2, 9.0)]:
+        assert poisson_tail(k, mean) == pytest.approx(poisson.sf(k, mean), rel=1e-9, abs=1e-15)
