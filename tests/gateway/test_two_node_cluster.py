@@ -64,6 +64,9 @@ def test_a_model_on_a_lost_node_is_503_until_a_node_with_its_resource_joins(db_u
 
     # pinned: its replica ran on the second node, never on the head, then on the node that joined
     assert report["replica_node_before"] == report["node_b"] != report["head_node"]
+    # the gateway stays on the head node: on node_b it would die with it, and Serve's proxy would answer its
+    # requests with a plain-text 500
+    assert report["gateway_node_before"] == report["head_node"]
     assert report["replica_node_while_gone"] is None
     assert report["replica_node_after"] == report["node_c"]
     requests = report["requests"]
