@@ -118,7 +118,13 @@ def install(app: FastAPI) -> None:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return APIError(exc.status_code, str(exc.detail), kind, None).response()
 
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette's last resort (ServerErrorMiddleware) would answer a plain-text "Internal Server Error"; it
+        # still re-raises the exception after this response, so the server logs it with its traceback
+        return server_error().response()
+
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
 

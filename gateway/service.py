@@ -318,6 +318,11 @@ class Gateway:
                 yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             status = "ok"
             yield DONE
+        except BackendUnavailable as e:  # its replica was lost mid-stream: the error event says to retry
+            status, error = "failed", type(e).__name__
+            log.warning("model %s: %s", model, e)
+            yield sse(unavailable(str(e)).body())
+            yield DONE
         except Exception as e:
             status, error = "failed", type(e).__name__
             log.exception("model %s failed mid-stream", model)

@@ -13,13 +13,14 @@ from cache.namespace import Namespace
 from cache.store import FlagRecord
 from cache.types import Flagged, Hit, Lookup
 from gateway.app import open_semantic_cache
+from gateway.serving.names import HEAD_NODE_ONLY
 from gateway.settings import Settings
 
 LOOKUP_TIMEOUT_S = 1.0  # a lookup takes milliseconds; past this the model answers instead
 STORE_TIMEOUT_S = 10.0  # stores run after the response, off the request path
 
 
-@serve.deployment(name="SemanticCache", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="SemanticCache", num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE_ONLY})
 class SemanticCacheServer:
     def __init__(self, settings: Settings) -> None:
         self.cache = open_semantic_cache(settings)

@@ -13,6 +13,7 @@ from billing.db import make_engine
 from gateway.app import create_app
 from gateway.serving.cache_deployment import ServeCacheClient
 from gateway.serving.deploy import scale_model
+from gateway.serving.names import HEAD_NODE_ONLY
 from gateway.serving.ray_backend import PlatformHeaders, RayModelBackend
 from gateway.serving.registry import ModelRegistry
 from gateway.settings import Settings
@@ -25,7 +26,8 @@ GATEWAY_MAX_ONGOING_REQUESTS = 10_000
 # lifespan closes the ledger, which writes (or spills) the usage events it still holds
 # max_ongoing_requests: Serve's default (5) would queue the sixth concurrent stream in Serve's proxy; the
 # gateway is async and does its own admission, so a replica takes all it is sent
-@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.5,
+@serve.deployment(name="Gateway", ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE_ONLY},
+                  graceful_shutdown_wait_loop_s=0.5,
                   max_ongoing_requests=GATEWAY_MAX_ONGOING_REQUESTS)
 @serve.ingress()
 class GatewayIngress:

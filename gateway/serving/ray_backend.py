@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,8 +26,10 @@ from gateway.backends import BackendInfo, BackendState, BackendUnavailable, Gene
 
 log = logging.getLogger("tollgate.ray_backend")
 
-# the replica's process or node ended under the request (a node lost, a replica killed): Serve starts another
-REPLICA_LOST = (RayActorError, NodeDiedError, WorkerCrashedError)
+# the replica's process or node ended under the request (a node lost, a replica killed): Serve starts another.
+# ObjectLostError: a stream item stored on the lost node. A RayTaskError whose cause is one of these is an instance
+# of it too (Ray makes the wrapper a subclass of its cause's class)
+REPLICA_LOST = (RayActorError, NodeDiedError, WorkerCrashedError, ObjectLostError)
 
 COLD_START_HEADER = "x-tollgate-cold-start"
 REQUEST_ID_HEADER = "x-tollgate-request-id"
@@ -111,7 +113,7 @@ class RayModelBackend:
     async def abort(self, request_id: str) -> None:
         response = self._live.pop(request_id, None)
         if response is not None:
-            response.cancel()
+            _cancel(response)
 
     async def add_adapter(self, name: str, source: str) -> None:
         """Every running replica loads the adapter (one started later loads the recorded set, and any replica loads it
@@ -169,8 +171,14 @@ class RayModelBackend:
                 finished = chunk.finished
         except REPLICA_LOST as e:
             c.failed += 1
-            raise BackendUnavailable(f"The model `{self.name}` lost the replica serving this request (its process "
-                                     "or node ended); another is starting, try again shortly") from e
+            raise self._lost() from e
+        except asyncio.CancelledError:
+            if _this_task_cancelled():  # the client went away (or the gateway stops): not the replica's doing
+                raise
+            # Serve's handle turns Ray's TaskCancelledError into CancelledError: a request whose replica's node
+            # ended before or while it ran, which this gateway did not cancel
+            c.failed += 1
+            raise self._lost() from None
         except RayTaskError as e:  # the replica's own exception (ValueError, PromptTooLongError, ...)
             c.failed += 1
             cause = getattr(e, "cause", None)
@@ -186,8 +194,11 @@ class RayModelBackend:
             c.ongoing -= 1
             self._live.pop(request.request_id, None)
             if not finished:
-                response.cancel()
+                _cancel(response)
 
+    def _lost(self) -> BackendUnavailable:
+        return BackendUnavailable(f"The model `{self.name}` lost the replica serving this request (its process or "
+                                  "node ended); another is starting, try again shortly")
 
     async def _wait_for_replica(self, response: Any) -> Any:
         """The stream's first item; gives up with the reason as soon as the registry finds the model
@@ -209,6 +220,21 @@ class RayModelBackend:
             if not first.done():
                 first.cancel()
                 first.add_done_callback(_retrieve_outcome)
+
+
+def _this_task_cancelled() -> bool:
+    """Whether the task running this code was asked to stop (asyncio's own cancellation of it), as opposed to a
+    CancelledError raised by something it awaited."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _cancel(response: Any) -> None:
+    """Cancels the replica's side of a request; one whose replica or node is gone may refuse: nothing left to stop."""
+    try:
+        response.cancel()
+    except Exception as e:  # noqa: BLE001 - cleanup after the request's outcome is decided: logged, never raised
+        log.warning("could not cancel a model request: %r", e)
 
 
 def _retrieve_outcome(task: asyncio.Future) -> None:

@@ -6,6 +6,8 @@ import json
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
@@ -13,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from billing.accounts import create_key, create_tenant, revoke_key
 from billing.models import UsageEvent
+from gateway.errors import install
 from tests.gateway.conftest import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -130,3 +133,18 @@ def test_every_response_carries_one_request_id_and_echoes_the_clients(server, ht
     assert r.headers.get_list("x-request-id") == [r.json()["id"]]  # the completion's own id
     r = http.get("/v1/models", headers={"x-request-id": "trace-42"})
     assert r.headers.get_list("x-request-id") == ["trace-42"]
+
+
+def test_an_unexpected_error_is_a_500_in_openais_shape_not_plain_text() -> None:
+    """Starlette's last resort answers a plain-text "Internal Server Error" that OpenAI's clients cannot read."""
+    app = FastAPI()
+    install(app)
+
+    @app.get("/fails")
+    async def fails() -> None:
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/fails")
+    assert r.headers["content-type"] == "application/json"
+    _assert_error(r, 500, "internal_error")

@@ -43,8 +43,16 @@ def run_scenario(db_url: str, key: str, out: Path) -> dict:
         log, _ = proc.communicate()
         pytest.fail(f"the two-node scenario ran past {SCENARIO_TIMEOUT_S} s:\n{log[-4000:]}")
     report = json.loads(out.read_text()) if out.is_file() else {}
-    assert proc.returncode == 0, f"{report.get('failed')}\n{log[-6000:]}"
+    assert proc.returncode == 0, f"{report.get('failed')}\n{log[-6000:]}\n" + "\n".join(report.get("serve_log", []))
     return report
+
+
+def explained(report: dict, *requests: dict) -> str:
+    """What a failed assertion prints: the requests in question (status, body head of a body that is not JSON),
+    where the gateway's replica ran, and Serve's warnings and errors from the cluster's logs."""
+    log = "\n".join(report.get("serve_log", []))
+    return (f"{json.dumps(requests, indent=1)}\ngateway replica on {report.get('gateway_node_before')} (node_b: "
+            f"{report.get('node_b')})\nServe's log:\n{log}")
 
 
 @pytest.mark.slow
@@ -56,21 +64,26 @@ def test_a_model_on_a_lost_node_is_503_until_a_node_with_its_resource_joins(db_u
 
     # pinned: its replica ran on the second node, never on the head, then on the node that joined
     assert report["replica_node_before"] == report["node_b"] != report["head_node"]
+    # the gateway stays on the head node: on node_b it would die with it, and Serve's proxy would answer its
+    # requests with a plain-text 500
+    assert report["gateway_node_before"] == report["head_node"]
     assert report["replica_node_while_gone"] is None
     assert report["replica_node_after"] == report["node_c"]
     requests = report["requests"]
     by_phase = {p: [r for r in requests if r["phase"] == p] for p in ("before", "in_flight", "node_gone", "node_back")}
     assert [r["status"] for r in by_phase["before"]][-2:] == [200, 200]
     # the request generating on the lost node, and each request while no node has the resource: a 503 to retry
-    assert report["in_flight_joined"] and by_phase["in_flight"][0]["status"] == 503
+    assert report["in_flight_joined"], explained(report)
+    assert by_phase["in_flight"][0]["status"] == 503, explained(report, *by_phase["in_flight"])
     assert len(by_phase["node_gone"]) == 3
     for r in by_phase["in_flight"] + by_phase["node_gone"]:
-        assert r["status"] == 503 and r["retry_after"] == str(RETRY_AFTER_S), r
-        assert r["error"]["code"] == "model_unavailable"
+        assert r["status"] == 503 and r["retry_after"] == str(RETRY_AFTER_S), explained(report, r)
+        assert r["error"]["code"] == "model_unavailable", explained(report, r)
     for r in by_phase["in_flight"] + by_phase["node_gone"]:
         assert r["seconds"] < COLD_START_TIMEOUT_S + 40  # bounded (Ray's node-death detection, then the cold-start
         # wait): never a hang
-    assert all(r["status"] in (200, 503) for r in requests)  # never a 500, never a timeout
+    for r in requests:  # never a 500, never a timeout
+        assert r["status"] in (200, 503), explained(report, r)
     assert [r["status"] for r in by_phase["node_back"]][-2:] == [200, 200]
 
     # the ledger: one ok event per answered request, nothing for the 503s refused before they ran

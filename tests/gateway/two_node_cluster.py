@@ -59,21 +59,44 @@ class Client:
         try:
             r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60,
                            headers={"Authorization": f"Bearer {self.key}"})
+        except Exception as e:  # noqa: BLE001 - a timeout, a dropped connection: reported
+            seen: dict[str, Any] = {"phase": phase, "status": repr(e)}
+        else:
             seen = {"phase": phase, "status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "request_id": r.headers.get("x-tollgate-request-id"), "error": r.json().get("error")}
-        except Exception as e:  # noqa: BLE001 - a timeout, a dropped connection, a body that is not JSON: reported
-            seen = {"phase": phase, "status": repr(e)}
+                    "request_id": r.headers.get("x-tollgate-request-id"),
+                    "content_type": r.headers.get("content-type")}
+            try:
+                seen["error"] = r.json().get("error")
+            except ValueError as e:  # a body that is not JSON (Serve's proxy's plain-text 500, a cut body): kept
+                seen.update(error=None, not_json=repr(e), body_head=r.content[:300].decode(errors="replace"))
         seen["sent_at"], seen["seconds"] = sent, round(time.monotonic() - sent, 3)
         self.seen.append(seen)
         return seen
 
 
-def replica_node(actors: dict[str, Any]) -> str | None:
-    """The node id of the model's live replica actor (Ray's actor table, read from the GCS)."""
+def replica_node(actors: dict[str, Any], app: str = f"model-{MODEL}") -> str | None:
+    """The node id of a live replica actor of the Serve application `app` (Ray's actor table, read from the GCS)."""
     for actor in actors.values():
-        if actor.get("State") == "ALIVE" and actor.get("Name", "").startswith(f"SERVE_REPLICA::model-{MODEL}#"):
+        if actor.get("State") == "ALIVE" and actor.get("Name", "").startswith(f"SERVE_REPLICA::{app}#"):
             return actor["Address"]["NodeID"]
     return None
+
+
+def serve_log_problems(session_dir: str, max_lines: int = 120) -> list[str]:
+    """The warnings, errors and tracebacks in Serve's log files (controller, proxy, replicas) of the cluster's
+    session, each line prefixed by its file: what the gateway and Ray said when a request went wrong."""
+    lines: list[str] = []
+    for path in sorted(Path(session_dir, "logs", "serve").glob("*.log")):
+        keep = False
+        for line in path.read_text(errors="replace").splitlines():
+            level = line.split(" ", 1)[0]
+            if level in ("WARNING", "ERROR", "CRITICAL") or line.startswith("Traceback"):
+                keep = True
+            elif level in ("INFO", "DEBUG"):  # a line of its own level ends the one before and what followed it
+                keep = False
+            if keep:
+                lines.append(f"{path.name}: {line}")
+    return lines[-max_lines:]
 
 
 def gateway_counters() -> dict[str, Any]:
@@ -111,6 +134,7 @@ def main(db_url: str, key: str, port: int, out: Path) -> None:
         report["head_node"] = cluster.head_node.node_id
         report["node_b"] = node_b.node_id
         report["replica_node_before"] = replica_node(ray_state.actors())
+        report["gateway_node_before"] = replica_node(ray_state.actors(), GATEWAY_APP)
         client = Client(f"http://127.0.0.1:{port}", key)
         report["requests"] = client.seen  # written out whatever happens next
         wait_until(lambda: client.chat("before")["status"] == 200, 60, "the gateway to answer through node_b")
@@ -140,6 +164,11 @@ def main(db_url: str, key: str, port: int, out: Path) -> None:
         report["failed"] = f"{type(e).__name__}: {e}"
         raise
     finally:
+        if cluster is not None:
+            try:
+                report["serve_log"] = serve_log_problems(cluster.head_node.get_session_dir_path())
+            except OSError as e:
+                report["serve_log"] = [f"Serve's logs not read: {e!r}"]
         out.write_text(json.dumps(report))
         try:
             if ray.is_initialized():
