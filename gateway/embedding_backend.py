@@ -185,7 +185,9 @@ class LocalEmbeddingBackend:
 
     @staticmethod
     def _tokenize_texts(loaded: _Loaded, texts: list[str]) -> list[list[int]]:
-        return loaded.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+        # whole, so that _check_rows refuses a too-long input with a 400; verbose=False: without transformers'
+        # "Token indices sequence length is longer than ..." on the replica's stderr (the 400 says it)
+        return loaded.tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
 
     def _tokenize_texts_locked(self, loaded: _Loaded, texts: list[str]) -> list[list[int]]:
         with self._tokenizer_lock:

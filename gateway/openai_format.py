@@ -134,7 +134,7 @@ class ChatFormat:
         parser = self._new_tool_parser() if self._new_tool_parser is not None else None
         if parser is None:
             return {"message": {"role": "assistant", "content": text, "refusal": None}, "finish_reason": finish}
-        return {"message": message_of(parse_whole(parser, text)), "finish_reason": tool_finish_reason(finish, parser)}
+        return {"message": message_of(parse_whole(parser, text), parser.calls_only), "finish_reason": tool_finish_reason(finish, parser)}
 
     @staticmethod
     def _chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish: str | None,

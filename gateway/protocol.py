@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.tool_calls.request import ToolCall, ToolFields, check_tool_message, with_tool_fields
+from gateway.tool_calls.request import ToolCall, ToolFields, check_tool_history, check_tool_message, with_tool_fields
 from gateway.unsupported_fields import CHAT_ONLY_AT, refusal
 
 MAX_N = 16
@@ -242,6 +242,7 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         refused = refusal(CHAT_ONLY_AT, self)
         if refused is not None:
             raise ValueError(refused)
+        check_tool_history(self.messages)
         if self.user is not None and self.safety_identifier not in (None, self.user):
             raise ValueError("safety_identifier: differs from user; usage events keep one end user per request, so "
                              "send one of them or the same value in both")

@@ -9,7 +9,8 @@ module imports only the standard library: the engine, the kernels, the cache and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,24 @@ def get(name: str) -> Any:
     except ValueError as e:
         raise ValueError(f"{name}: {e if str(e) else 'invalid'} (got {text!r})") from None
     return value
+
+
+@contextmanager
+def overridden(**values: str | None) -> Iterator[None]:
+    """Within the block each named variable (TOLLGATE_HOME=...) holds its value, as if the environment had set it
+    (a None leaves it as it is): how a command-line flag means exactly what its variable means, for this process
+    and for the processes it starts. The environment is as it was after the block."""
+    before = {name: os.environ.get(variable(name).name) for name, value in values.items() if value is not None}
+    try:
+        for name in before:
+            os.environ[name] = str(values[name])
+        yield
+    finally:
+        for name, old in before.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def home() -> Path:

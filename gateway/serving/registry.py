@@ -6,6 +6,7 @@ Serve's message as the reason."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -19,6 +20,7 @@ from billing.model_adapters import recorded_adapters
 from gateway.adapters import served_adapters
 from gateway.backends import BackendState, ModelBackend
 from gateway.deployed import DeployedModels
+from gateway.embedding_source import read_embedding_model
 from gateway.serving.engine_stats_board import board, model_totals
 from gateway.serving.names import MODEL_DEPLOYMENT, model_app_name, model_of_app
 from gateway.serving.ray_backend import RayModelBackend
@@ -42,6 +44,24 @@ def short_reason(message: str) -> str:
         return text if len(text) <= 300 else text[:297] + "..."
     name, detail = raised[-1].groups()
     return f"{first}: {name}: {detail}"
+
+
+def listed_max_model_len(spec: ModelSpec | None) -> int | None:
+    """What /v1/models says a model reads: the spec's max_model_len; for an embedding model without one, what its
+    files say it reads (as its replica, and `serve --local`, will use)."""
+    if spec is None:
+        return None
+    if spec.max_model_len is not None or spec.kind != "embedding":
+        return spec.max_model_len
+    try:
+        return _embedding_model_reads(spec.source)
+    except ValueError:  # not cached: read again next time; the replica says why it cannot load it
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _embedding_model_reads(source: str) -> int:
+    return read_embedding_model(source).max_seq_length
 
 
 def _enum(value: Any) -> str:
@@ -106,10 +126,10 @@ class ModelRegistry:
             backend_class = RayEmbeddingBackend if spec is not None and spec.kind == "embedding" else RayModelBackend
             if type(backend) is not backend_class:
                 backend = backend_class(name, serve.get_app_handle(model_app_name(name)),
-                                        max_model_len=spec.max_model_len if spec else None,
+                                        max_model_len=listed_max_model_len(spec),
                                         cold_start_timeout_s=self.cold_start_timeout_s)
             elif spec is not None:
-                backend.max_model_len = spec.max_model_len
+                backend.max_model_len = listed_max_model_len(spec)
             backend.state, backend.replica_states, backend.reason = model_state(app)
             backends[name] = backend
             if spec is not None:

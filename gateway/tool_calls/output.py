@@ -27,8 +27,10 @@ def delta_of(events: list[Event]) -> dict[str, Any]:
     return delta
 
 
-def message_of(events: list[Event]) -> dict[str, Any]:
-    """A whole response's assistant message."""
+def message_of(events: list[Event], calls_only: bool = False) -> dict[str, Any]:
+    """A whole response's assistant message. Its content is null when it holds calls, and when the output was
+    constrained to calls (`calls_only`) even if max_tokens cut it before a call's name was read (as OpenAI's forced
+    calls: their output is never content)."""
     content = "".join(e.text for e in events if isinstance(e, Content))
     calls: dict[int, dict[str, Any]] = {}
     for e in events:
@@ -36,7 +38,7 @@ def message_of(events: list[Event]) -> dict[str, Any]:
             calls[e.index] = {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
         elif isinstance(e, CallArguments) and e.index in calls:
             calls[e.index]["function"]["arguments"] += e.text
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls or calls_only else ""), "refusal": None}
     if calls:
         message["tool_calls"] = list(calls.values())
     return message

@@ -45,6 +45,7 @@ Event = Content | CallStart | CallArguments
 
 class ToolCallParser(Protocol):
     num_calls: int  # calls started so far
+    calls_only: bool  # constrained to calls (`required`, a named function): the output is never content
 
     def feed(self, text: str) -> list[Event]: ...
 
@@ -128,6 +129,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    calls_only = False
 
     def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
         self.names = names
@@ -181,6 +183,7 @@ class HermesParser:
 
 class Llama3JsonParser:
     PYTHON_TAG = "<|python_tag|>"
+    calls_only = False
 
     def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
         self.names = names
@@ -244,6 +247,8 @@ class Llama3JsonParser:
 class NamedCallParser:
     """The output is the named function's arguments object (constrained decoding wrote it)."""
 
+    calls_only = True
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.num_calls = 0
@@ -265,6 +270,8 @@ class ForcedCallsParser:
     """The output is one call object or an array of them, `{"name": "...", "<arguments_key>": {...}}` with the name
     first (constrained decoding wrote it so); each call starts once its name is read, and its arguments stream as
     they are written. A character scanner: it tracks strings and nesting, so braces inside strings are text."""
+
+    calls_only = True
 
     def __init__(self, arguments_key: str) -> None:
         self.key = arguments_key

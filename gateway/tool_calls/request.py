@@ -4,7 +4,8 @@ in the history. Unknown keys inside them are refused (a 400 naming them)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -42,8 +43,18 @@ CHOICES = ("none", "auto", "required")
 
 
 class FunctionCall(_Closed):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # need not be one of `tools`: the tools offered may change between turns
     arguments: str  # JSON text, as the model wrote it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, v: str) -> str:
+        try:
+            json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"must be valid JSON (the arguments of an earlier call, as returned), not {v[:40]!r} "
+                             f"({e})") from None
+        return v
 
 
 class ToolCall(_Closed):
@@ -107,3 +118,26 @@ def check_tool_message(role: str, tool_calls: list[ToolCall] | None, tool_call_i
         raise ValueError("tool_call_id: required in a tool message (the id of the call it answers)")
     if tool_call_id is not None and role != "tool":
         raise ValueError("tool_call_id: only a tool message answers a tool call")
+
+
+class HistoryMessage(Protocol):
+    role: str
+    tool_calls: list[ToolCall] | None
+    tool_call_id: str | None
+
+
+def check_tool_history(messages: Sequence[HistoryMessage]) -> None:
+    """Each tool message answers a call of the assistant message that comes before it, with only tool messages
+    between them (as OpenAI checks: a 400 otherwise, naming the message's field)."""
+    open_calls: set[str] | None = None  # the calls the tool messages here may answer; None: no assistant call
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            open_calls = {c.id for c in message.tool_calls} if message.tool_calls else None
+        elif message.role != "tool":
+            open_calls = None
+        elif open_calls is None:
+            raise ValueError(f"messages.{i}.role: a message with role `tool` must answer a tool call of the assistant "
+                             "message before it (no assistant message with tool_calls comes before it)")
+        elif message.tool_call_id not in open_calls:
+            raise ValueError(f"messages.{i}.tool_call_id: `{message.tool_call_id}` is not among the tool_calls of the "
+                             f"assistant message before it ({', '.join(sorted(open_calls))})")

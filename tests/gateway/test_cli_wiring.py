@@ -15,7 +15,11 @@ def test_subcommands_are_registered():
     assert p.parse_args(["cache", "eval", "--pairs", "x.jsonl"]).func
 
 
-def test_cache_eval_through_platform(tmp_path, capsys):
+def test_cache_eval_through_platform(monkeypatch, tmp_path, capsys):
+    from tollgate import envs
+
+    # --home moves the model cache too: share the extracted embedder with the test process's (no second copy)
+    monkeypatch.setenv("TOLLGATE_MODEL_CACHE_DIR", str(envs.model_cache_dir()))
     pairs = tmp_path / "pairs.jsonl"
     rows = [
         {"a": "How do I reset my password?", "b": "How do I reset my password?", "duplicate": True},

@@ -367,3 +367,16 @@ def test_a_stopped_model_answers_503_and_records_nothing(emb: Embeddings) -> Non
         gw.models = type(gw.models)({k: v for k, v in gw.models.backends.items() if k != "never-started"},
                                     {k: v for k, v in gw.models.specs.items() if k != "never-started"})
 
+
+
+def test_a_too_long_input_is_refused_without_a_transformers_warning_on_stderr(capfd) -> None:
+    # a backend of its own: transformers warns once per tokenizer, and the module's was warned already
+    backend = LocalEmbeddingBackend(load_spec(SPEC_PATH))
+    asyncio.run(backend.start())
+    try:
+        capfd.readouterr()
+        with pytest.raises(ValueError, match="reads at most 256"):
+            asyncio.run(backend.tokenize([LONG], None))
+        assert "Token indices sequence length" not in capfd.readouterr().err  # the 400 says it all
+    finally:
+        backend.stop()

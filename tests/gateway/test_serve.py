@@ -382,6 +382,8 @@ def test_embedding_model_as_its_own_application(platform: Platform) -> None:
         models = httpx.get(f"{platform.url}/v1/models", headers={"Authorization": f"Bearer {platform.key}"}).json()
         kinds = {m["id"]: m["kind"] for m in models["data"]}
         assert kinds[spec.name] == "embedding" and kinds[platform.model] == "chat"
+        # what the model reads (its files' max_seq_length), as `serve --local` lists it
+        assert {m["id"]: m["max_model_len"] for m in models["data"]}[spec.name] == 256
         client = openai.OpenAI(base_url=platform.url + "/v1", api_key=platform.key, max_retries=0, timeout=180)
         raw = client.embeddings.with_raw_response.create(model=spec.name, input=EMBED_TEXTS, user="bob")
         assert COLD_START_HEADER in raw.headers  # scaled to zero: this request started the replica

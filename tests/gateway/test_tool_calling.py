@@ -199,6 +199,13 @@ UNENFORCEABLE = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}
 
 
+def called(call_id: str, name: str = "get_weather", arguments: str = '{"city": "Paris", "unit": "celsius"}'
+           ) -> dict[str, Any]:
+    """An assistant message of the history that called one function."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"tools": [BAD_SCHEMA]}, "tools.0.function.parameters", "not a valid JSON schema"),
     ({"tools": [CLOCK, UNENFORCEABLE], "tool_choice": "required"}, "tools.1.function.parameters", "uniqueItems"),
@@ -222,6 +229,15 @@ UNENFORCEABLE = {"type": "function", "function": {"name": "f", "parameters": {
     ({"function_call": "auto"}, "function_call", "tool_choice"),
     ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0.tool_call_id", "required"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls", "assistant"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}, "messages.1.role",
+     "assistant"),
+    ({"messages": [*ASK, called("call_1"), {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}]},
+     "messages.2.tool_call_id", "call_1"),
+    ({"messages": [*ASK, called("call_1"), {"role": "user", "content": "and?"},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}, "messages.3.role", "assistant"),
+    ({"messages": [*ASK, called("call_1", arguments='{"city": "Par'),
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]},
+     "messages.1.tool_calls.0.function.arguments", "valid JSON"),
 ])
 def test_a_bad_tool_request_is_a_400_naming_the_field_before_admission(server, limited_key, shared_db, body, param,
                                                                        says):
@@ -250,7 +266,27 @@ def test_a_tool_nested_as_deep_as_allowed_compiles_for_enforcement():
     assert plan is not None and plan.constraint is not None and plan.mode == "required"
 
 
+def test_a_history_call_of_a_function_no_longer_offered_is_accepted(client):
+    # as at OpenAI: the tools offered may change between turns, so an earlier call may name one not in `tools`
+    history = [*ASK, called("call_1", name="get_forecast", arguments="{}"),
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[CLOCK], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_auto_accepts_a_schema_only_enforced_calls_would_refuse(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[CLOCK, UNENFORCEABLE], max_tokens=4,
                                        temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+
+def test_a_forced_call_cut_by_max_tokens_has_null_content(client):
+    # cut before the call's name was written (no tool_calls yet), then after (a call with its arguments cut):
+    # the output of a forced call is never content, so content is null either way, as at OpenAI
+    for max_tokens in (2, 12):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=max_tokens, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+    assert choice.message.tool_calls  # 12 tokens reach the name (the test's premise)

@@ -17,7 +17,7 @@ NAMES = frozenset({"get_weather", "get_time"})
 
 
 def message(parser: ToolCallParser, text: str) -> dict:
-    return message_of(parse_whole(parser, text))
+    return message_of(parse_whole(parser, text), parser.calls_only)
 
 
 def calls(msg: dict) -> list[tuple[str, dict]]:
