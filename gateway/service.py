@@ -32,6 +32,7 @@ from gateway.auth import KeyStore, Principal
 from gateway.budget_webhook import BudgetWebhook
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
 from gateway.deployed import DEFAULT_MAX_MODEL_LEN, DeployedModels
+from gateway.drain import EndedByShutdown, InFlight, ended_by_shutdown
 from gateway.embedding_format import EmbeddingFormat
 from gateway.errors import (APIError, context_length_exceeded, invalid_request, model_not_found, server_error,
                             unavailable)
@@ -139,6 +140,7 @@ class Gateway:
         self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer,
                              on_alert=self.budget_webhook)
         self.limiter = Limiter(admission_db, self.ledger)
+        self.in_flight = InFlight()  # the API requests running; a stop drains them (gateway/drain.py)
         # this process's heartbeat: while it beats, no other gateway releases its reservations
         self.keeper = ReservationKeeper(admission_db, self.limiter.owner, also=self.limiter.retry_releases)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
@@ -265,8 +267,11 @@ class Gateway:
                         choices[c.index].finish_reason = c.finish_reason
                 if chunk.finished:
                     break
-                chunk = await stream.__anext__()
+                chunk = await self.in_flight.next_chunk(stream)
             status = "ok"
+        except EndedByShutdown as e:  # the drain window ran out: a 503 to retry, billed for what it generated
+            status, error = "cancelled", "shutdown"
+            raise ended_by_shutdown(self.in_flight.drain_s) from e
         except BackendUnavailable as e:  # its replica was lost: nothing was sent yet, so a 503 to retry
             status, error = "failed", type(e).__name__
             log.warning("model %s: %s", call.model, e)
@@ -312,11 +317,15 @@ class Gateway:
                     last_sent = now
                 if chunk.finished:
                     break
-                chunk = await stream.__anext__()
+                chunk = await self.in_flight.next_chunk(stream)
             await self.shrink_hold(call)  # before the stream ends: a next request sees this one's real cost
             if include_usage:
                 yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             status = "ok"
+            yield DONE
+        except EndedByShutdown:  # the drain window ran out: the stream ends with an error event, billed as sent
+            status, error = "cancelled", "shutdown"
+            yield sse(ended_by_shutdown(self.in_flight.drain_s).body())
             yield DONE
         except Exception as e:
             status, error = "failed", type(e).__name__
