@@ -39,6 +39,7 @@ from gateway.errors import (APIError, context_length_exceeded, invalid_request, 
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
+from gateway.prompt_tokens import PromptTokenCounter
 from gateway.router import RouteDecision
 from gateway.sampling import value_error
 from gateway.specs import DEFAULT_TOOL_PARSER, ModelKind
@@ -140,6 +141,7 @@ class Gateway:
         self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer,
                              on_alert=self.budget_webhook)
         self.limiter = Limiter(admission_db, self.ledger)
+        self.prompt_tokens = PromptTokenCounter()  # admission holds a prompt's real tokens
         self.in_flight = InFlight()  # the API requests running; a stop drains them (gateway/drain.py)
         # this process's heartbeat: while it beats, no other gateway releases its reservations
         self.keeper = ReservationKeeper(admission_db, self.limiter.owner, also=self.limiter.retry_releases)
@@ -179,13 +181,13 @@ class Gateway:
         return p.scoped_budgets or any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
 
     def worst_case(self, model: str | ResolvedModel, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
-                   n: int) -> Worst:
-        """What a request may cost at most: its prompt (a bound counted before tokenizing) and max_tokens × n
-        at the model's prices; without max_tokens, the whole context for each choice."""
+                   n: int, prompt_counted: bool = False) -> Worst:
+        """What a request may cost at most: its prompt's tokens (counted with the model's tokenizer, else bounded by its
+        UTF-8 bytes) and max_tokens × n at the model's prices; without max_tokens, the whole context for each choice."""
         per_choice = max_tokens if max_tokens is not None else (backend.info().max_model_len or DEFAULT_MAX_MODEL_LEN)
         completion = per_choice * n
         cost = request_cost(self.models.prices(model), prompt_tokens_bound, completion)
-        return Worst(cost, prompt_tokens_bound + completion)
+        return Worst(cost, prompt_tokens_bound + completion, prompt_tokens_bound, prompt_counted)
 
     def tool_parser(self, model: str) -> str:
         """The model's tool-call format (its spec's tool_parser; an adapter's base model's)."""
