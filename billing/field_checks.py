@@ -55,7 +55,7 @@ def usd_amount(field: str, value: float | Decimal | None) -> Decimal | None:
     if (isinstance(value, bool) or not isinstance(value, (int, float, Decimal))
             or (isinstance(value, float) and not math.isfinite(value))
             or (isinstance(value, Decimal) and not value.is_finite()) or not 0 <= value <= MAX_USD):
-        raise FieldError(f"{field}: must be a finite amount from 0 to {MAX_USD:,}, got {value!r}")
+        raise FieldError(f"{field}: must be a finite amount from 0 to {MAX_USD:,}, got {value}")
     return dollars(value)
 
 

@@ -63,6 +63,8 @@ class Worst:
 
     cost_usd: Decimal
     tokens: int
+    prompt_tokens: int | None = None  # of `tokens`, the prompt's (None: not told)
+    prompt_counted: bool = True  # counted by the model's tokenizer; False: bounded by the prompt's UTF-8 bytes
 
 
 @dataclass(frozen=True)

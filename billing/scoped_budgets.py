@@ -113,9 +113,10 @@ def set_budget(engine: Engine, tenant: str, *, user: str | None = None, tag: str
     cleared). A new budget's counter starts at what its user or tag spent this month."""
     text_field("tenant", tenant)
     scope, name = checked_scope(user, tag)
-    not_positive = isinstance(budget_usd, (int, float)) and not isinstance(budget_usd, bool) and budget_usd <= 0
+    not_positive = (isinstance(budget_usd, (int, float, Decimal)) and not isinstance(budget_usd, bool)
+                    and not (isinstance(budget_usd, Decimal) and budget_usd.is_nan()) and budget_usd <= 0)
     if budget_usd is None or not_positive or usd_amount("budget_usd", budget_usd) <= 0:
-        raise FieldError(f"budget_usd: must be > 0, got {budget_usd!r}")
+        raise FieldError(f"budget_usd: must be > 0, got {budget_usd}")
     alert_share("alert_at", alert_at, budget_usd)
     period = month_of(now if now is not None else datetime.now(timezone.utc).timestamp())
     b = ScopedBudget.__table__.c

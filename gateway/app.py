@@ -28,7 +28,7 @@ from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
 from gateway.deployed import DeployedModels
-from gateway.drain import InFlight, InFlightMiddleware
+from gateway.drain import InFlightMiddleware
 from gateway.recorded_adapters import load_recorded_adapters
 from gateway.embedding_backend import LocalEmbeddingBackend
 from gateway.embeddings import embeddings_router
@@ -53,7 +53,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                  ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s,
                  budget_alert_webhook=settings.budget_alert_webhook)
     gw.models_dir = settings.models_dir  # where `platform adapters add` may read adapters from, besides the roots
-    in_flight = InFlight()
+    in_flight = gw.in_flight
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -85,7 +85,7 @@ class Limiter:
             self._admit_without_database(p, now)
             return None
         if isinstance(result, Refusal):
-            raise refusal_error(p, result)
+            raise refusal_error(p, result, worst)
         return _headers(p, result)
 
     def shrink(self, request_id: str, cost_usd: Decimal, tokens: int) -> None:
@@ -144,21 +144,29 @@ def _who(p: Principal, scope: str, name: str = "") -> str:
     return "This API key" if scope == "key" else f"Tenant {p.tenant!r}"
 
 
-def refusal_error(p: Principal, r: Refusal) -> APIError:
+def held_tokens(worst: Worst | None) -> str:
+    """What the request holds, in tokens: its prompt's (counted with the model's tokenizer, or bounded by its UTF-8
+    bytes where the gateway cannot load that) and max_tokens × n (the whole context per choice without max_tokens)."""
+    if worst is None or worst.prompt_tokens is None:
+        return "its prompt and max_tokens × n"
+    kind = "tokens" if worst.prompt_counted else "tokens at most (its UTF-8 bytes)"
+    return f"its prompt's {worst.prompt_tokens} {kind} and {worst.tokens - worst.prompt_tokens} for max_tokens × n"
+
+
+def refusal_error(p: Principal, r: Refusal, worst: Worst | None = None) -> APIError:
     if r.kind == "budget":
         left = max(ZERO, r.limit - r.used - r.reserved)
         return insufficient_quota(
             f"{_who(p, r.scope, r.name)} has {usd(left)} left of its monthly budget of {usd(r.limit)} ({usd(r.used)} "
-            f"spent, {usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} (its "
-            "prompt and max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to "
-            "finish.")
+            f"spent, {usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} "
+            f"({held_tokens(worst)} at the model's prices). Lower max_tokens, or wait for requests in flight to finish.")
     if r.kind == "rpm":
         err = rate_limited(f"Rate limit reached for requests per minute: limit {int(r.limit)}, used {int(r.used)}. "
                            f"Try again in {r.retry_after_s}s.", r.retry_after_s)
         err.headers.update(RateLimitHeaders(p.rpm, p.tpm, int(r.used), 0, r.retry_after_s).headers())
         return err
     err = rate_limited(f"Rate limit reached for tokens per minute: limit {int(r.limit)}, used {int(r.used)} "
-                       f"(requests in flight count with their prompt and max_tokens), this request needs up to "
-                       f"{int(r.asked)}. Try again in {r.retry_after_s}s, or lower max_tokens.", r.retry_after_s)
+                       f"(requests in flight count with their prompt and max_tokens × n), this request needs up to "
+                       f"{int(r.asked)} ({held_tokens(worst)}). Try again in {r.retry_after_s}s, or lower max_tokens.", r.retry_after_s)
     err.headers.update(RateLimitHeaders(p.rpm, p.tpm, 0, int(r.used), r.retry_after_s).headers())
     return err

@@ -23,7 +23,7 @@ from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.prompt_length import refuse_overlong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from gateway.router import RouteDecision
-from gateway.sampling import check_structured_outputs, to_sampling_params
+from gateway.sampling import check_structured_outputs, to_sampling_params, value_error
 from gateway.service import Call, Gateway
 from gateway.sse import EventStreamResponse
 from gateway.tool_calls.plan import tool_plan, tools_prompt_bytes
@@ -155,7 +155,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
                cache_view: dict[str, Any] | None = None, tool_constraint: StructuredOutputs | None = None,
                prompt_length: dict[str, Any] | None = None) -> Response:
     """`model`: the deployed model to call (the router's choice for "auto"); `cache_view`: the request as
-    the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens; `prompt_length`:
+    the semantic cache sees it (chat only); `prompt_tokens_bound`: at least the prompt's tokens, held where the model's
+    tokenizer cannot be had here (gateway/prompt_tokens.py); `prompt_length`:
     the prompt's length for the cheap refusal of one too long (gateway/prompt_length.py)."""
     model = model or body.model
     headers = {}
@@ -169,8 +170,15 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         backend = gw.backend_for(resolved.base)
         # too long by its length alone: refused before it is tokenized or anything is reserved
         refuse_overlong(model, backend.info(), **(prompt_length or {}))
+        generation = make_request(request_id, params)
         if gw.needs_admission(p):
-            worst = gw.worst_case(resolved, backend, prompt_tokens_bound, params.max_tokens, params.n)
+            try:  # the prompt's real tokens where this process has the model's tokenizer, else the byte bound
+                counted = await gw.prompt_tokens.count(gw.models.specs.get(resolved.base), generation)
+            except ValueError as e:
+                raise value_error(e) from e
+            prompt_tokens = counted if counted is not None else prompt_tokens_bound
+            worst = gw.worst_case(resolved, backend, prompt_tokens, params.max_tokens, params.n,
+                                  prompt_counted=counted is not None)
             limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
                                              endpoint=fmt.endpoint, end_user=body.end_user(),
                                              tags=gw.tags_of(p, body.tags()))
@@ -198,7 +206,6 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
                 # an answer labels the nearest entry only where both answers are the model's one answer
                 greedy = float(outcome.decision.settings.get("temperature", 1.0)) == 0.0
                 call.cache_learning = outcome.lookup if outcome.learning and greedy else None
-            generation = make_request(call.request_id, params)
             generation.cache_salt = gw.cache_salt(p, resolved.base)
             generation.account = p.tenant_uid
             if resolved.adapter is not None:

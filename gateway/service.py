@@ -32,12 +32,14 @@ from gateway.auth import KeyStore, Principal
 from gateway.budget_webhook import BudgetWebhook
 from gateway.backends import BackendUnavailable, GenerationChunk, GenerationRequest, ModelBackend
 from gateway.deployed import DEFAULT_MAX_MODEL_LEN, DeployedModels
+from gateway.drain import EndedByShutdown, InFlight, ended_by_shutdown
 from gateway.embedding_format import EmbeddingFormat
 from gateway.errors import (APIError, context_length_exceeded, invalid_request, model_not_found, server_error,
                             unavailable)
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from gateway.openai_format import DONE, ChatFormat, ChoiceText, CompletionFormat, sse, usage
+from gateway.prompt_tokens import PromptTokenCounter
 from gateway.router import RouteDecision
 from gateway.sampling import value_error
 from gateway.specs import DEFAULT_TOOL_PARSER, ModelKind
@@ -139,6 +141,8 @@ class Gateway:
         self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer,
                              on_alert=self.budget_webhook)
         self.limiter = Limiter(admission_db, self.ledger)
+        self.prompt_tokens = PromptTokenCounter()  # admission holds a prompt's real tokens
+        self.in_flight = InFlight()  # the API requests running; a stop drains them (gateway/drain.py)
         # this process's heartbeat: while it beats, no other gateway releases its reservations
         self.keeper = ReservationKeeper(admission_db, self.limiter.owner, also=self.limiter.retry_releases)
         self.metrics = Metrics(self._engine_stats, lambda: self.ledger.backlog)
@@ -177,13 +181,13 @@ class Gateway:
         return p.scoped_budgets or any(v is not None for v in (p.rpm, p.tpm, p.key_budget_usd, p.tenant_budget_usd))
 
     def worst_case(self, model: str | ResolvedModel, backend: ModelBackend, prompt_tokens_bound: int, max_tokens: int | None,
-                   n: int) -> Worst:
-        """What a request may cost at most: its prompt (a bound counted before tokenizing) and max_tokens × n
-        at the model's prices; without max_tokens, the whole context for each choice."""
+                   n: int, prompt_counted: bool = False) -> Worst:
+        """What a request may cost at most: its prompt's tokens (counted with the model's tokenizer, else bounded by its
+        UTF-8 bytes) and max_tokens × n at the model's prices; without max_tokens, the whole context for each choice."""
         per_choice = max_tokens if max_tokens is not None else (backend.info().max_model_len or DEFAULT_MAX_MODEL_LEN)
         completion = per_choice * n
         cost = request_cost(self.models.prices(model), prompt_tokens_bound, completion)
-        return Worst(cost, prompt_tokens_bound + completion)
+        return Worst(cost, prompt_tokens_bound + completion, prompt_tokens_bound, prompt_counted)
 
     def tool_parser(self, model: str) -> str:
         """The model's tool-call format (its spec's tool_parser; an adapter's base model's)."""
@@ -265,8 +269,11 @@ class Gateway:
                         choices[c.index].finish_reason = c.finish_reason
                 if chunk.finished:
                     break
-                chunk = await stream.__anext__()
+                chunk = await self.in_flight.next_chunk(stream)
             status = "ok"
+        except EndedByShutdown as e:  # the drain window ran out: a 503 to retry, billed for what it generated
+            status, error = "cancelled", "shutdown"
+            raise ended_by_shutdown(self.in_flight.drain_s) from e
         except BackendUnavailable as e:  # its replica was lost: nothing was sent yet, so a 503 to retry
             status, error = "failed", type(e).__name__
             log.warning("model %s: %s", call.model, e)
@@ -312,11 +319,15 @@ class Gateway:
                     last_sent = now
                 if chunk.finished:
                     break
-                chunk = await stream.__anext__()
+                chunk = await self.in_flight.next_chunk(stream)
             await self.shrink_hold(call)  # before the stream ends: a next request sees this one's real cost
             if include_usage:
                 yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             status = "ok"
+            yield DONE
+        except EndedByShutdown:  # the drain window ran out: the stream ends with an error event, billed as sent
+            status, error = "cancelled", "shutdown"
+            yield sse(ended_by_shutdown(self.in_flight.drain_s).body())
             yield DONE
         except BackendUnavailable as e:  # its replica was lost mid-stream: the error event says to retry
             status, error = "failed", type(e).__name__

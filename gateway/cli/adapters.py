@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import Any
 
+from gateway.cli.args import money_arg
 from gateway.cli.output import print_rows
 from gateway.settings import Settings
 
@@ -20,8 +21,8 @@ def register(sub: Any) -> None:
     add.add_argument("source", help="a directory written by peft's save_pretrained")
     add.add_argument("--tenant", action="append", dest="tenants", help="a tenant that may use it (repeatable; "
                      "default: every tenant)")
-    add.add_argument("--input-per-1m", type=float, help="its input price (default: the model's)")
-    add.add_argument("--output-per-1m", type=float, help="its output price (default: the model's)")
+    add.add_argument("--input-per-1m", type=money_arg, help="its input price (default: the model's)")
+    add.add_argument("--output-per-1m", type=money_arg, help="its output price (default: the model's)")
     add.set_defaults(func=cmd_add)
     ls = actions.add_parser("list", help="the adapters served now")
     ls.add_argument("--json", action="store_true")
@@ -61,7 +62,7 @@ def cmd_add(args: argparse.Namespace, settings: Settings) -> int:
     if args.tenants:
         body["tenants"] = args.tenants
     if args.input_per_1m is not None or args.output_per_1m is not None:
-        body["pricing"] = {"input_per_1m": args.input_per_1m or 0, "output_per_1m": args.output_per_1m or 0}
+        body["pricing"] = {"input_per_1m": str(args.input_per_1m or 0), "output_per_1m": str(args.output_per_1m or 0)}
     row = _call(args, settings, "POST", "/admin/adapters", body)
     print(f"serving {row['id']} from {row['source']}")
     return 0

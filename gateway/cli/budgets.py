@@ -10,6 +10,7 @@ from typing import Any
 
 from billing.migrate import open_database
 from billing.money import usd
+from gateway.cli.args import NO_ALERT, alert_arg, money_arg
 from gateway.cli.output import print_rows
 from gateway.settings import Settings
 
@@ -19,9 +20,10 @@ def register(sub: Any) -> None:
     actions = budgets.add_subparsers(required=True, metavar="ACTION")
     put = actions.add_parser("set", help="create or replace the monthly budget of an end user or a tag")
     _whose(put)
-    put.add_argument("--budget-usd", type=float, required=True, help="monthly budget in USD (> 0)")
-    put.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget "
-                                                    "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST)")
+    put.add_argument("--budget-usd", type=money_arg, required=True, help="monthly budget in USD (> 0)")
+    put.add_argument("--alert-at", type=alert_arg, help="soft budget: alert once a month at this share of the budget "
+                                                    "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST); `none` "
+                                                    "clears it; left out, an existing budget keeps its alert")
     put.set_defaults(func=cmd_set)
     listed = actions.add_parser("list", help="every budget (tenant, key, end user, tag) with its spend and "
                                              "reservations this month")
@@ -47,10 +49,14 @@ def _subject(scope: str, name: str, tenant: str) -> str:
 
 
 def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
-    from billing.scoped_budgets import set_budget
+    from billing.scoped_budgets import list_budgets, set_budget
 
-    use = set_budget(open_database(settings.db_url), args.tenant, user=args.user, tag=args.tag,
-                     budget_usd=args.budget_usd, alert_at=args.alert_at)
+    db = open_database(settings.db_url)
+    alert_at = None if args.alert_at == NO_ALERT else args.alert_at
+    if args.alert_at is None:  # not given: the budget keeps the alert it has
+        scope, name = ("user", args.user) if args.user is not None else ("tag", args.tag)
+        alert_at = next((u.alert_at for u in list_budgets(db, args.tenant) if (u.scope, u.name) == (scope, name)), None)
+    use = set_budget(db, args.tenant, user=args.user, tag=args.tag, budget_usd=args.budget_usd, alert_at=alert_at)
     alert = f", alert at {use.alert_at:g}" if use.alert_at is not None else ""
     print(f"budget of {_subject(use.scope, use.name, use.tenant)}: {usd(use.budget_usd)} a month{alert}; "
           f"{usd(use.spent_usd)} spent and {usd(use.reserved_usd)} reserved in {use.period}")

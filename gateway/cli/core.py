@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from billing.migrate import open_database
-from gateway.cli.args import UNTIL_HELP, date_arg
+from gateway.cli.args import UNTIL_HELP, date_arg, money_arg
 from gateway.cli.output import print_frame, print_rows
 from gateway.settings import Settings
 from tollgate import envs
@@ -23,7 +23,7 @@ def register(sub: Any) -> None:
     t_sub = tenants.add_subparsers(required=True, metavar="ACTION")
     tc = t_sub.add_parser("create", help="create a tenant")
     tc.add_argument("name")
-    tc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    tc.add_argument("--budget-usd", type=money_arg, help="monthly budget in USD")
     tc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget "
                                                    "(0.8: at 80%%; TOLLGATE_BUDGET_ALERT_WEBHOOK gets a POST)")
     _cache_bound_arg(tc, "the semantic cache's bound for the tenant's keys")
@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--rpm", type=int)
     kc.add_argument("--tpm", type=int)
-    kc.add_argument("--budget-usd", type=float, help="monthly budget in USD")
+    kc.add_argument("--budget-usd", type=money_arg, help="monthly budget in USD")
     kc.add_argument("--alert-at", type=float, help="soft budget: alert once a month at this share of the budget")
     kc.add_argument("--name")
     kc.add_argument("--project", help="a tag put on every usage event of this key")

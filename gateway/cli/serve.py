@@ -97,6 +97,7 @@ def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
 
     from gateway.app import create_app
     from gateway.backends import LocalEngineBackend, ModelBackend
+    from gateway.cli.draining_server import DRAINED_SHUTDOWN_S, DrainingServer
     from gateway.embedding_backend import LocalEmbeddingBackend
 
     db = open_database(settings.db_url)
@@ -104,12 +105,17 @@ def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
         s.name: LocalEmbeddingBackend(s) if s.kind == "embedding" else LocalEngineBackend(s)  # type: ignore[misc]
         for s in specs}
     app = create_app(settings, db, backends, specs, own_backends=True)
-    # uvicorn drains on SIGTERM, then raises the signal again with the handler it found installed: with
-    # this one, a drained stop exits with status 0 instead of dying by the signal
-    signal.signal(signal.SIGTERM, lambda *_: None)
     # the access log prints paths and status codes only: never headers (keys) or bodies (prompts)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=max(1, round(settings.drain_s)))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
+    server = DrainingServer(config, app.state.in_flight, settings.drain_s)
+    # uvicorn raises the stop signal again, with the handler it found installed, once it has stopped: with this
+    # one, a drained stop exits with status 0 instead of dying by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, raised again by uvicorn once it has stopped (as uvicorn.run takes it)
+        pass
 
 
 # ---- the Ray Serve platform ------------------------------------------------------------------------
@@ -160,7 +166,8 @@ def run_until_stopped(settings: Settings, owns_platform: bool) -> int:
     print(f"stopping the platform (in-flight requests may finish for up to {settings.drain_s:g} s)", file=sys.stderr)
     left = stop_platform(settings)
     if left:
-        print(f"{left} requests were still running when the platform stopped", file=sys.stderr)
+        print(f"{left} requests were still running after the drain window: each was ended (a 503, or an error event "
+              "before its stream's end) and recorded cancelled with the tokens it generated", file=sys.stderr)
     return 0
 
 

@@ -53,10 +53,10 @@ def test_budgets_set_list_delete_round_trip(db, db_url, capsys) -> None:
                               "reserved_usd", "left_usd"]
     assert [line.split()[:4] for line in lines] == [["acme", "user", "alice", "5.00"], ["acme", "tag", "search", "50.00"]]
 
-    # set again: a new budget, the same spend; an alert share not given is cleared
+    # set again: a new budget, the same spend; the alert share not given is kept
     code, out, _ = _platform(capsys, db_url, "platform budgets set --tenant acme --user alice --budget-usd 7.5")
-    assert code == 0 and out.strip() == ("budget of end user 'alice' of tenant 'acme': $7.50 a month; $0.25 spent and "
-                                         "$0.50 reserved in " + alice["month"])
+    assert code == 0 and out.strip() == ("budget of end user 'alice' of tenant 'acme': $7.50 a month, alert at 0.8; "
+                                         "$0.25 spent and $0.50 reserved in " + alice["month"])
     code, out, _ = _platform(capsys, db_url, "platform budgets delete --tenant acme --user alice")
     assert code == 0 and out.strip() == "deleted the budget of end user 'alice' of tenant 'acme'"
     assert [r["name"] for r in json.loads(_platform(capsys, db_url, "platform budgets list --json")[1])] == ["search"]
@@ -65,8 +65,8 @@ def test_budgets_set_list_delete_round_trip(db, db_url, capsys) -> None:
 
 
 @pytest.mark.parametrize(("line", "error"), [
-    ("platform budgets set --tenant acme --user alice --budget-usd 0", "budget_usd: must be > 0, got 0.0"),
-    ("platform budgets set --tenant acme --tag search --budget-usd -5", "budget_usd: must be > 0, got -5.0"),
+    ("platform budgets set --tenant acme --user alice --budget-usd 0", "budget_usd: must be > 0, got 0"),
+    ("platform budgets set --tenant acme --tag search --budget-usd -5", "budget_usd: must be > 0, got -5"),
     ("platform budgets set --tenant acme --user alice --budget-usd inf", "budget_usd: must be a finite amount"),
     ("platform budgets set --tenant acme --user alice --budget-usd 5 --alert-at 1.5", "alert_at: must be a share"),
     ("platform budgets set --tenant nope --user alice --budget-usd 5", "tenant: no tenant named 'nope'"),
@@ -91,3 +91,31 @@ def test_budgets_set_needs_one_end_user_or_tag_and_an_amount(db_url, capsys, lin
     with pytest.raises(SystemExit) as exited:
         main(["--database-url", db_url, *shlex.split(line)[1:]])
     assert exited.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_money_arguments_are_exact_decimals_and_finer_than_a_nano_dollar_is_refused(db, db_url, capsys) -> None:
+    _platform(capsys, db_url, "platform tenants create gamma")
+    code, out, _ = _platform(capsys, db_url, "platform budgets set --tenant gamma --user dave --budget-usd 12345678.123456789")
+    assert code == 0 and "$12,345,678.123456789 a month" in out
+    [row] = json.loads(_platform(capsys, db_url, "platform budgets list --tenant gamma --json")[1])
+    assert row["budget_usd"] == "12345678.123456789"
+    with pytest.raises(SystemExit):
+        _platform(capsys, db_url, "platform budgets set --tenant gamma --user dave --budget-usd 0.0000000001")
+    assert "more decimals than the ledger keeps" in capsys.readouterr().err
+    code, _, err = _platform(capsys, db_url, "platform budgets set --tenant gamma --user dave --budget-usd -1")
+    assert code == 2 and err.startswith("error: budget_usd: must be > 0, got -1\n"), err
+    with pytest.raises(SystemExit):
+        _platform(capsys, db_url, "platform keys create --tenant gamma --budget-usd 0.1234567891")
+    assert "at most 9 decimals" in capsys.readouterr().err
+
+
+def test_setting_a_budget_again_keeps_its_alert_unless_told_to_clear_it(db, db_url, capsys) -> None:
+    _platform(capsys, db_url, "platform tenants create delta")
+    _platform(capsys, db_url, "platform budgets set --tenant delta --tag search --budget-usd 5 --alert-at 0.8")
+    code, out, _ = _platform(capsys, db_url, "platform budgets set --tenant delta --tag search --budget-usd 10")
+    assert code == 0 and "alert at 0.8" in out
+    [row] = json.loads(_platform(capsys, db_url, "platform budgets list --tenant delta --json")[1])
+    assert (row["budget_usd"], row["alert_at"]) == ("10.00", 0.8)
+    _platform(capsys, db_url, "platform budgets set --tenant delta --tag search --budget-usd 10 --alert-at none")
+    [row] = json.loads(_platform(capsys, db_url, "platform budgets list --tenant delta --json")[1])
+    assert row["alert_at"] is None

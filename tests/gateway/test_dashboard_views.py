@@ -611,3 +611,9 @@ def test_the_dashboards_until_and_the_clis_are_both_documented(client, capsys):
         with pytest.raises(SystemExit):
             cli_main([command, "--help"])
         assert "first UTC day NOT counted" in " ".join(capsys.readouterr().out.split()), command
+
+
+def test_the_invoice_page_says_lines_are_billed_at_the_prices_charged(dashboard, client):
+    page = client.get("/admin/invoices", params={"tenant": "globex"}).text
+    assert "current list prices" not in page
+    assert "billed at the prices its requests were charged" in page

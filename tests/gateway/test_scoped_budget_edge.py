@@ -20,9 +20,10 @@ from gateway.specs import ModelSpec
 from tests.gateway.conftest import MODEL, make_server
 from tests.gateway.test_budget_alert import Receiver, receiver  # noqa: F401 - the webhook receiver fixture
 
-# at these prices a "hi" with max_tokens 1 may cost at most (2 + 16 + 64) x 0.001 + 1 x 0.002 = $0.084
+# at these prices a "hi" with max_tokens 1 may cost at most 31 x 0.001 + 1 x 0.002 = $0.033 (31: its tokens with
+# SmolLM2's chat template, what admission holds)
 PRICED = {"input_per_1m": 1000.0, "output_per_1m": 2000.0}
-WORST = Decimal("0.084")
+WORST = Decimal("0.033")
 BUDGET = 5 * WORST + Decimal("0.001")
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 
@@ -95,7 +96,7 @@ def test_the_refusal_names_the_budget_and_what_is_left(shared_db_url, shared_db,
     tenant = "scoped-message"
     create_tenant(shared_db, tenant)
     key = create_key(shared_db, tenant, project="batch", budget_usd=10)
-    set_budget(shared_db, tenant, user="carol", budget_usd=Decimal("0.05"))
+    set_budget(shared_db, tenant, user="carol", budget_usd=Decimal("0.03"))
     set_budget(shared_db, tenant, tag="batch", budget_usd=1)
     server = make_server(shared_db_url, backend, priced)
 
@@ -105,7 +106,7 @@ def test_the_refusal_names_the_budget_and_what_is_left(shared_db_url, shared_db,
 
     try:
         for_carol = post(user="carol")
-        set_budget(shared_db, tenant, tag="batch", budget_usd=Decimal("0.0801"))  # less than one worst case
+        set_budget(shared_db, tenant, tag="batch", budget_usd=Decimal("0.0321"))  # less than one worst case
         tagged = post(user="dave")  # the key's project tag
         reserved = _reserved(shared_db, tenant, key.id)  # the refusals held nothing, not even on the key's budget
         set_budget(shared_db, tenant, tag="batch", budget_usd=1)
@@ -115,12 +116,12 @@ def test_the_refusal_names_the_budget_and_what_is_left(shared_db_url, shared_db,
     assert reserved == 0
     assert (for_carol.status_code, tagged.status_code, dave.status_code) == (429, 429, 200)
     assert for_carol.json()["error"] == {
-        "message": "End user 'carol' has $0.05 left of its monthly budget of $0.05 ($0.00 spent, $0.00 held by "
-                   "requests in flight); this request may cost up to $0.084 (its prompt and max_tokens × n at the "
-                   "model's prices). Lower max_tokens, or wait for requests in flight to finish.",
+        "message": "End user 'carol' has $0.03 left of its monthly budget of $0.03 ($0.00 spent, $0.00 held by "
+                   "requests in flight); this request may cost up to $0.033 (its prompt's 31 tokens and 1 for "
+                   "max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to finish.",
         "type": "insufficient_quota", "param": None, "code": "insufficient_quota"}
     assert tagged.json()["error"]["message"].startswith(
-        "Tag 'batch' has $0.0801 left of its monthly budget of $0.0801 ($0.00 spent, $0.00 held")
+        "Tag 'batch' has $0.0321 left of its monthly budget of $0.0321 ($0.00 spent, $0.00 held")
 
 
 def _reserved(db, tenant: str, key_id: int) -> Decimal:
