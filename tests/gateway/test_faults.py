@@ -162,7 +162,7 @@ class FailingCache:
         self.hang_s = hang_s
         self.lookups = 0
 
-    def lookup(self, namespace: Any, prompt: str) -> Any:
+    def consult(self, namespace: Any, prompt: str, embedding: Any = None, max_false_hit_rate: Any = None) -> Any:
         self.lookups += 1
         if self.hang_s:
             time.sleep(self.hang_s)
