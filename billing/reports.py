@@ -163,14 +163,19 @@ def margin_by_tenant(db: Db, since: When = None, until: When = None) -> pd.DataF
 
 
 def cost_report(db: Db, since: When = None, until: When = None) -> pd.DataFrame:
-    """The usage rows of usage_by_tenant_day_model with each row's attributed GPU cost and margin."""
+    """The usage rows of usage_by_tenant_day_model with each row's attributed GPU cost and margin, plus a row
+    for GPU time without usage on that day and model (the idle time on "(idle, no tenant)" among them), so
+    its GPU cost adds up to `platform usage --gpu`'s."""
     with connect_engine(db) as engine:
         usage = usage_by_tenant_day_model(engine, since, until)
         gpu = gpu_cost_by_tenant(engine, since, until)
-    frame = usage.merge(gpu[["day", "model", "tenant", "gpu_cost_usd"]], on=_KEYS, how="left")
-    _money(frame, "gpu_cost_usd", [Decimal(0) if pd.isna(c) else c for c in frame["gpu_cost_usd"]])
+    frame = usage.merge(gpu[["day", "model", "tenant", "gpu_cost_usd"]], on=_KEYS, how="outer")
+    for c in USAGE_COLUMNS[3:10]:  # counts of GPU-only rows: none
+        frame[c] = frame[c].fillna(0).astype("int64")
+    for c in ("revenue_usd", "cache_savings_usd", "gpu_cost_usd"):
+        _money(frame, c, [Decimal(0) if pd.isna(v) else v for v in frame[c]])
     _money(frame, "margin_usd", [r - c for r, c in zip(frame["revenue_usd"], frame["gpu_cost_usd"])])
-    return frame
+    return _sorted(frame, _KEYS)
 
 
 def _sorted(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

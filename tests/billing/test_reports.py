@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from billing.gpu_usage import NO_TENANT
+from billing.gpu_usage import NO_TENANT, gpu_usage_frame
 from billing.models import GpuShare, ModelDeployment, ReplicaInterval, Tenant, UsageEvent
 from billing.reports import (
     cost_report,
@@ -115,9 +115,19 @@ def test_gpu_cost_follows_the_replicas_shares_and_margin(seeded):
     assert margin.loc[EVIL].revenue_usd == Decimal("0.4500125")  # 10 × 0.5e-6 + 5 × 1.5e-6 + 0.3 + 0.15
     assert margin.loc[EVIL].gpu_cost_usd == Decimal("1.333333333") + Decimal("2.5")
 
+    assert cost_report(seeded, **window).margin_usd.sum() == margin.margin_usd.sum()
+
+
+def test_cost_report_gpu_cost_adds_up_to_usage_gpu_including_idle_without_tenant(seeded):
+    window = {"since": date(2026, 3, 1), "until": date(2026, 3, 3)}
     report = cost_report(seeded, **window)
-    # the cost report has usage rows only: idle time on no tenant is in the margin, not in it
-    assert report.margin_usd.sum() == margin.margin_usd.sum() + margin.loc[NO_TENANT].gpu_cost_usd
+    per_day = gpu_usage_frame(seeded, since=DAY1.replace(hour=0), until=DAY2.replace(hour=0) + timedelta(days=1))
+    assert report.gpu_cost_usd.sum() == per_day.gpu_cost_usd.sum() == gpu_by_model(seeded, **window).gpu_cost_usd.sum()
+    idle = report[report.tenant == NO_TENANT]
+    assert idle[["day", "model"]].values.tolist() == [["2026-03-02", "large"]]
+    assert (idle.gpu_cost_usd.tolist(), idle.revenue_usd.tolist(), idle.requests_ok.tolist()) == (
+        [Decimal("7.5")], [Decimal(0)], [0])
+    assert idle.margin_usd.tolist() == [Decimal("-7.5")]
 
 
 def test_empty_database_gives_empty_frames(db):
