@@ -47,3 +47,12 @@ def test_every_module_the_product_imports_is_a_runtime_dependency() -> None:
         if not dists & runtime:
             missing.append(f"{module} (imported by {where}; installed by {sorted(dists) or 'nothing'})")
     assert not missing, "not in [project] dependencies: " + "; ".join(missing)
+
+
+def test_readme_says_how_to_install_the_openai_client_before_it_first_uses_it() -> None:
+    """`openai` is only in the test extra (the product never imports it), so `make up` does not install it: the
+    README must say how, no later than where it first shows the client."""
+    readme = (ROOT / "README.md").read_text()
+    install = readme.find(".venv/bin/pip install openai")
+    first_use = min(i for i in (readme.find("OpenAI SDK"), readme.find("client.")) if i >= 0)
+    assert 0 <= install < first_use
