@@ -166,7 +166,7 @@ def cmd_keys_list(args: argparse.Namespace, settings: Settings) -> int:
     from billing.accounts import list_keys
 
     rows = [{"id": k.id, "prefix": k.prefix + "...", "tenant": k.tenant, "name": k.name, "project": k.project,
-             "rpm": k.rpm, "tpm": k.tpm, "budget_usd": k.budget_usd,
+             "rpm": k.rpm, "tpm": k.tpm, "budget_usd": k.budget_usd, "alert_at": k.alert_at,
              "cache_max_false_hit_rate": k.cache_max_false_hit_rate, "revoked": k.revoked,
              "created_at": k.created_at.isoformat()} for k in list_keys(open_database(settings.db_url), args.tenant)]
     print_rows(rows, args.json)

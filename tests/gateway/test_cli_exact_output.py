@@ -123,3 +123,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(db, db_url):
         err = child.stderr.read().decode()
         assert child.wait(60) == 141, err
         assert err == ""
+
+
+def test_keys_list_shows_each_keys_alert_at(db, db_url, capsys):
+    create_tenant(db, "acme")
+    create_key(db, "acme", budget_usd=Decimal("5"), alert_at=0.8, name="soft")
+    create_key(db, "acme", name="plain")
+    soft, plain = json.loads(_platform(capsys, db_url, "platform keys list --json")[1])
+    assert (soft["alert_at"], plain["alert_at"]) == (0.8, None)
+    header, *rows = _platform(capsys, db_url, "platform keys list")[1].splitlines()
+    column = header.split().index("alert_at")
+    assert [r.split()[column] for r in rows] == ["0.8", "(none)"]
