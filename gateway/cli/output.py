@@ -2,7 +2,8 @@
 
 Money (every `*_usd` column) is exact decimal text in both, never a float: "0.30", "0.000123" (at least
 cents, as many decimals as the amount has, to the nano-dollar). Other Decimals are their exact text. A
-missing value is JSON null and "(none)" in a table, so a name such as "NaN" or "None" stays itself."""
+missing value is JSON null and "(none)" in a table, so a name such as "NaN" or "None" stays itself; an empty
+string is "" in JSON and `""` in a table (a blank cell would read as a missing column)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from billing.money import amount_text
 
 MISSING = "(none)"
+EMPTY = '""'
 
 
 def is_money(column: Any) -> bool:
@@ -41,7 +43,9 @@ def _cell(column: Any, value: Any) -> str:
     value = plain(column, value)
     if isinstance(value, float):
         return format(value, ".6g")  # hours, shares: six significant digits in a table (JSON has them all)
-    return MISSING if value is None else str(value)
+    if value is None:
+        return MISSING
+    return EMPTY if value == "" else str(value)
 
 
 def print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:

@@ -134,3 +134,14 @@ def test_keys_list_shows_each_keys_alert_at(db, db_url, capsys):
     header, *rows = _platform(capsys, db_url, "platform keys list")[1].splitlines()
     column = header.split().index("alert_at")
     assert [r.split()[column] for r in rows] == ["0.8", "(none)"]
+
+
+def test_usage_by_user_shows_an_empty_user_as_quotes_and_a_missing_one_as_none(db, db_url, capsys):
+    acme = create_tenant(db, "acme")
+    with Session(db) as s, s.begin():
+        s.add_all([_event(1, acme.id, "", "0.1"), _event(2, acme.id, None, "0.2")])
+    rows = json.loads(_platform(capsys, db_url, "platform usage --group-by user --json")[1])
+    assert sorted((r["user"] is None, r["user"], r["cost_usd"]) for r in rows) == [
+        (False, "", "0.10"), (True, None, "0.20")]
+    table = _platform(capsys, db_url, "platform usage --group-by user")[1].splitlines()
+    assert sorted(line.split()[1:3] for line in table[1:]) == [['""', "1"], ["(none)", "1"]]
