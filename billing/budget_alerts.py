@@ -13,6 +13,7 @@ from sqlalchemy import Connection, Engine, and_, literal, select
 
 from billing.db import dialect_insert
 from billing.models import ApiKey, BudgetAlert, ScopedBudget, SpendCounter, Tenant
+from billing.money import amount_text
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class SoftBudgetCrossed:
 
     def as_json(self) -> dict[str, object]:
         return {"type": "budget.soft_limit_reached", "scope": self.scope, "name": self.name, "tenant": self.tenant,
-                "period": self.period, "spent_usd": str(self.spent_usd), "budget_usd": str(self.budget_usd),
+                "period": self.period, "spent_usd": amount_text(self.spent_usd),
+                "budget_usd": amount_text(self.budget_usd),
                 "alert_at": self.alert_at, "used_ratio": float(self.spent_usd / self.budget_usd)}
 
 

@@ -16,8 +16,10 @@ import pytest
 from sqlalchemy import select
 
 from billing.accounts import create_key, create_tenant
+from billing.budget_alerts import SoftBudgetCrossed
 from billing.field_checks import FieldError
 from billing.models import BudgetAlert, SpendCounter, Tenant
+from gateway.budget_webhook import BudgetWebhook
 from gateway.specs import ModelSpec
 from tests.gateway.conftest import MODEL, make_server
 
@@ -87,7 +89,7 @@ def test_a_soft_budget_alerts_once_across_two_gateways(shared_db_url, shared_db,
     key_alerts = [b for b in receiver.bodies if b["scope"] == "key" and b["name"] == key.prefix]
     assert len(tenant_alerts) == 1 and len(key_alerts) == 1, receiver.bodies  # once, not once per gateway
     [t], [k] = tenant_alerts, key_alerts
-    assert t["type"] == "budget.soft_limit_reached" and t["alert_at"] == 0.5 and t["budget_usd"] == "1.000000000"
+    assert t["type"] == "budget.soft_limit_reached" and t["alert_at"] == 0.5 and t["budget_usd"] == "1.00"
     assert Decimal(t["spent_usd"]) >= Decimal("0.5") and t["used_ratio"] >= 0.5 and t["tenant"] == "soft"
     assert Decimal(k["spent_usd"]) >= Decimal("0.72") and k["tenant"] == "soft"
     assert sorted(claimed) == sorted(mine)  # one row each: what makes it once across gateways
@@ -99,3 +101,12 @@ def test_a_soft_budget_needs_a_budget_and_a_share() -> None:
             create_tenant(None, "x", budget_usd=1.0, alert_at=bad)  # type: ignore[arg-type]
     with pytest.raises(FieldError, match="^alert_at: needs a budget"):
         create_tenant(None, "x", alert_at=0.8)  # type: ignore[arg-type]
+
+
+def test_the_webhook_posts_money_as_the_shortest_exact_decimal_like_the_cli(receiver: Receiver) -> None:
+    webhook = BudgetWebhook(receiver.url)
+    webhook([SoftBudgetCrossed("user", 1, "alice", "acme", "2026-03", Decimal("0.000031650"), Decimal("0.0000400"),
+                               0.75)])
+    webhook.close()
+    [body] = receiver.bodies
+    assert (body["spent_usd"], body["budget_usd"]) == ("0.00003165", "0.00004")  # as `platform budgets list --json`
