@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
     inv.add_argument("--tenant", required=True)
     inv.add_argument("--month", required=True, help="YYYY-MM (UTC)")
     inv.add_argument("--format", choices=("csv", "json", "html"), default="csv")
-    inv.add_argument("--output", type=Path, help="write to FILE instead of stdout")
+    inv.add_argument("-o", "--output", type=Path, help="write to FILE instead of stdout")
     inv.set_defaults(func=cmd_invoice)
 
     rep = subparsers.add_parser("report", help="cost per tenant, day and model (revenue, GPU cost, margin)")
@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
     rep.add_argument("--kind", choices=REPORT_KINDS, default="usage",
                      help="usage: per tenant × day × model with GPU cost and margin (default); "
                           "gpu: per model alive/busy hours and idle rate; margin: per tenant")
-    rep.add_argument("--output", type=Path, help="write to FILE instead of stdout")
+    rep.add_argument("-o", "--output", type=Path,
+                     help="write to FILE instead of stdout (parquet: needed on a terminal)")
     rep.set_defaults(func=cmd_report)
 
 
@@ -62,6 +63,8 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     from billing.money import amount_text
     from gateway.cli.output import is_money
 
+    if args.format == "parquet" and args.output is None and sys.stdout.isatty():
+        raise ValueError("--format parquet writes binary: give -o FILE (or redirect stdout)")
     build = {"usage": reports.cost_report, "gpu": reports.gpu_by_model, "margin": reports.margin_by_tenant}
     engine = open_database(settings.db_url)
     try:

@@ -1,8 +1,13 @@
 """`platform invoice` and `platform report` through a parser built here with gateway.cli.reports.register."""
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
+import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,6 +21,7 @@ from tests.billing.dbutil import fresh_database
 
 EVIL = "a'b\"; DROP TABLE tenants;--"
 DAY = datetime(2026, 3, 2, 9, tzinfo=timezone.utc)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -81,3 +87,25 @@ def test_report_gpu_kind_and_bad_date(db_url, tmp_path, capsys):
     assert row["idle_rate"] == pytest.approx(0.8)
     with pytest.raises(SystemExit):
         _run(db_url, tmp_path, ["report", "--since", "March", "--format", "csv"])
+
+
+def test_parquet_report_to_a_terminal_is_refused_and_goes_to_the_file_given_with_o(db_url, tmp_path):
+    """A real terminal (a pty) on stdout: no binary is written to it; `-o FILE` writes the report there."""
+    cli = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())",
+           "--database-url", db_url, "report", "--format", "parquet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    leader, terminal = os.openpty()
+    try:
+        done = subprocess.run(cli, stdout=terminal, stderr=subprocess.PIPE, env=env, timeout=120)
+        os.close(terminal)
+        written = b""
+        with contextlib.suppress(OSError):  # the pty reads EIO once it is empty and closed
+            while chunk := os.read(leader, 4096):
+                written += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 2 and written == b""
+    assert b"error: --format parquet writes binary: give -o FILE (or redirect stdout)" in done.stderr
+    out = tmp_path / "report.parquet"
+    assert subprocess.run([*cli, "-o", str(out)], env=env, timeout=120).returncode == 0
+    assert pd.read_parquet(out).iloc[0]["tenant"] == EVIL
