@@ -128,11 +128,19 @@ class HistoryMessage(Protocol):
 
 def check_tool_history(messages: Sequence[HistoryMessage]) -> None:
     """Each tool message answers a call of the assistant message that comes before it, with only tool messages
-    between them (as OpenAI checks: a 400 otherwise, naming the message's field)."""
+    between them, and each call of an assistant message that more messages follow is answered (as OpenAI checks:
+    a 400 otherwise, naming the message's field)."""
     open_calls: set[str] | None = None  # the calls the tool messages here may answer; None: no assistant call
+    caller = 0  # the index of the assistant message that made open_calls
+    unanswered: list[str] = []  # its calls no tool message has answered yet, in its order
     for i, message in enumerate(messages):
+        if message.role != "tool":
+            _all_answered(caller, unanswered)
         if message.role == "assistant":
             open_calls = {c.id for c in message.tool_calls} if message.tool_calls else None
+            caller, unanswered = i, [c.id for c in message.tool_calls or []]
+            if i == len(messages) - 1:  # the last message: its calls are answered in a later request
+                unanswered = []
         elif message.role != "tool":
             open_calls = None
         elif open_calls is None:
@@ -141,3 +149,13 @@ def check_tool_history(messages: Sequence[HistoryMessage]) -> None:
         elif message.tool_call_id not in open_calls:
             raise ValueError(f"messages.{i}.tool_call_id: `{message.tool_call_id}` is not among the tool_calls of the "
                              f"assistant message before it ({', '.join(sorted(open_calls))})")
+        else:
+            unanswered = [c for c in unanswered if c != message.tool_call_id]
+    _all_answered(caller, unanswered)
+
+
+def _all_answered(caller: int, unanswered: list[str]) -> None:
+    if unanswered:
+        raise ValueError(f"messages.{caller}.role: an assistant message with tool_calls must be followed by tool "
+                         "messages answering each tool_call_id; the following tool_call_ids did not have response "
+                         f"messages: {', '.join(unanswered)}")

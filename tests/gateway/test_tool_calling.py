@@ -206,6 +206,12 @@ def called(call_id: str, name: str = "get_weather", arguments: str = '{"city": "
             "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
 
 
+def two_calls(first: str, second: str) -> dict[str, Any]:
+    """An assistant message of the history that called two functions at once."""
+    calls = [*called(first)["tool_calls"], *called(second, "get_time", "{}")["tool_calls"]]
+    return {**called(first), "tool_calls": calls}
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"tools": [BAD_SCHEMA]}, "tools.0.function.parameters", "not a valid JSON schema"),
     ({"tools": [CLOCK, UNENFORCEABLE], "tool_choice": "required"}, "tools.1.function.parameters", "uniqueItems"),
@@ -233,8 +239,14 @@ def called(call_id: str, name: str = "get_weather", arguments: str = '{"city": "
      "assistant"),
     ({"messages": [*ASK, called("call_1"), {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}]},
      "messages.2.tool_call_id", "call_1"),
-    ({"messages": [*ASK, called("call_1"), {"role": "user", "content": "and?"},
-                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}, "messages.3.role", "assistant"),
+    ({"messages": [*ASK, called("call_1"), {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                   {"role": "user", "content": "and?"},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}, "messages.4.role", "assistant"),
+    # as at OpenAI: each call of an assistant message that more messages follow must be answered by a tool message
+    ({"messages": [*ASK, called("call_1"), {"role": "user", "content": "and?"}]}, "messages.1.role",
+     "did not have response messages: call_1"),
+    ({"messages": [*ASK, two_calls("call_1", "call_2"), {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}]},
+     "messages.1.role", "did not have response messages: call_1"),
     ({"messages": [*ASK, called("call_1", arguments='{"city": "Par'),
                    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]},
      "messages.1.tool_calls.0.function.arguments", "valid JSON"),
@@ -272,6 +284,11 @@ def test_a_history_call_of_a_function_no_longer_offered_is_accepted(client):
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[CLOCK], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_last_assistant_message_with_calls_needs_no_answers_yet():
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [*ASK, called("call_1")]})
+    assert body.messages[-1].tool_calls[0].id == "call_1"
 
 
 def test_auto_accepts_a_schema_only_enforced_calls_would_refuse(client):
