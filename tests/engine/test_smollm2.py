@@ -24,17 +24,20 @@ def test_greedy_batch_equals_hf_generate(smollm2, smollm2_hf):
     # max_num_batched_tokens=64 (fixture): the longer prompts are prefilled in chunks beside running decodes
     outs = smollm2.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
     assert smollm2.engine.metrics.num_steps > 32  # one continuous batch, not one request at a time
-    for out in outs:
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            ref = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
-        ref_tokens = ref[0, ids.shape[1]:].tolist()
-        got = out.outputs[0].token_ids
-        if out.outputs[0].finish_reason == "stop":  # EOS: HF pads after it
-            ref_tokens = ref_tokens[: len(got)]
-        else:
+    # HF greedy decoding picks argmax(logits) at every position given the tokens before it, so the engine's tokens
+    # equal HF generate's exactly when HF's argmax at each position is the engine's next token: one teacher-forced
+    # forward of every sequence at once (right-padded, so no real token attends to a pad or changes its position)
+    seqs = [out.prompt_token_ids + out.outputs[0].token_ids for out in outs]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        argmax = smollm2_hf(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+    for out, row in zip(outs, argmax):
+        n, got = len(out.prompt_token_ids), out.outputs[0].token_ids
+        if out.outputs[0].finish_reason != "stop":  # a stop is the EOS token, the last of token_ids, checked below
             assert len(got) == 32
-        assert got == ref_tokens, out.prompt
+        assert got == row[n - 1:n - 1 + len(got)].tolist(), out.prompt
         assert out.outputs[0].text == tok.decode(got)
 
 

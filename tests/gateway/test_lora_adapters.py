@@ -18,7 +18,6 @@ from billing.models import UsageEvent
 from gateway.backends import LocalEngineBackend
 from gateway.cli import main as platform
 from gateway.specs import AdapterSpec
-from tests.engine.conftest import smollm2_hf  # noqa: F401 - the HF transformers reference of the same GGUF
 from tests.engine.lora_helpers import ALL_TARGETS, peft_reference, write_peft_adapter
 from tests.gateway.conftest import MODEL, make_server
 
@@ -27,7 +26,7 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 260, 3575, 30]  # token ids: the engine 
 
 
 @pytest.fixture(scope="module")
-def adapters(smollm2_hf, tmp_path_factory):  # noqa: F811
+def adapters(smollm2_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-adapters")
     return {name: write_peft_adapter(smollm2_hf, str(root / name), 8, 16, ALL_TARGETS, seed=seed, weight_std=0.05)
             for name, seed in (("tuned", 1), ("extra", 2))}
@@ -75,7 +74,7 @@ def _text(backend_engine, ids: list[int]) -> str:
     return backend_engine.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_allowed_tenant_gets_the_adapters_greedy_tokens(clients, lora_server, smollm2_hf, adapters, shared_db):  # noqa: F811
+def test_allowed_tenant_gets_the_adapters_greedy_tokens(clients, lora_server, smollm2_hf, adapters, shared_db):
     client = clients["lora-allowed"]
     r = client.completions.create(model=f"{MODEL}:tuned", prompt=PROMPT, max_tokens=8, temperature=0)
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
@@ -104,7 +103,7 @@ def test_other_tenants_get_404_and_do_not_see_it(clients):
     assert all(":" not in m.id for m in client.models.list().data)
 
 
-def test_adapters_added_and_removed_at_run_time_with_the_cli(clients, lora_server, smollm2_hf, adapters,  # noqa: F811
+def test_adapters_added_and_removed_at_run_time_with_the_cli(clients, lora_server, smollm2_hf, adapters,
                                                              capsys):
     client = clients["lora-other"]
     flags = ["--url", lora_server.url, "--admin-key", ADMIN]

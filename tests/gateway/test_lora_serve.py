@@ -29,7 +29,6 @@ from gateway.serving import deploy as ops  # noqa: E402
 from gateway.serving.gateway_app import deploy_gateway  # noqa: E402
 from gateway.serving.names import GATEWAY_APP, model_app_name  # noqa: E402
 from gateway.specs import ModelSpec  # noqa: E402
-from tests.engine.conftest import smollm2_hf  # noqa: F401, E402 - the HF transformers reference of the same GGUF
 from tests.engine.lora_helpers import ALL_TARGETS, write_peft_adapter  # noqa: E402
 from tests.gateway.serve_platform import Platform, lists_model, test_spec, wait_until  # noqa: E402
 from tests.gateway.test_lora_adapters import PROMPT, _peft_greedy  # noqa: E402
@@ -71,7 +70,7 @@ class LoraPlatform:
 
 
 @pytest.fixture(scope="module")
-def lora(platform: Platform, smollm2_hf) -> Iterator[LoraPlatform]:  # noqa: F811
+def lora(platform: Platform, smollm2_hf) -> Iterator[LoraPlatform]:
     root = platform.models_dir / "adapters"  # under the gateway's models_dir: an allowed root
     adapters = {name: write_peft_adapter(smollm2_hf, str(root / name), 8, 16, ALL_TARGETS, seed=seed, weight_std=0.05)
                 for name, seed in (("tuned", 11), ("extra", 12))}
@@ -89,7 +88,7 @@ def _lists(p: Platform, key: str, model_id: str) -> bool:
     return r.status_code == 200 and any(m["id"] == model_id for m in r.json()["data"])
 
 
-def test_adapters_added_at_run_time_reach_every_replica_and_the_allowed_tenant_only(lora, smollm2_hf):  # noqa: F811
+def test_adapters_added_at_run_time_reach_every_replica_and_the_allowed_tenant_only(lora, smollm2_hf):
     p = lora.p
     # added while the model is scaled to zero: recorded, and loaded by the replica that starts later
     assert cli(["adapters", "add", MODEL, "tuned", lora.adapters["tuned"], "--tenant", ALLOWED, *lora.flags]) == 0
