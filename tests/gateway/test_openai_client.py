@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from decimal import Decimal
 
 import httpx
@@ -22,9 +23,15 @@ def client(server, tenant_key) -> openai.OpenAI:
 
 
 def _event(server, shared_db, request_id: str) -> UsageEvent:
-    server.gateway.ledger.flush(10)
-    with Session(shared_db) as s:
-        return s.scalar(select(UsageEvent).where(UsageEvent.request_id == request_id))
+    """The request's usage event; a stream's is recorded just after its client reads [DONE], so it is waited for."""
+    deadline = time.monotonic() + 10
+    while True:
+        server.gateway.ledger.flush(10)
+        with Session(shared_db) as s:
+            event = s.scalar(select(UsageEvent).where(UsageEvent.request_id == request_id))
+        if event is not None or time.monotonic() > deadline:
+            return event
+        time.sleep(0.05)
 
 
 def test_chat_plain_records_usage_and_cost(client, server, shared_db):
