@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import threading
+from typing import Any, ContextManager
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +34,24 @@ def _sqlite_pragmas(dbapi_conn: Any, busy_timeout_s: float) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
     cur.close()
+
+
+_write_locks: dict[str, threading.Lock] = {}
+_write_locks_guard = threading.Lock()
+
+
+def write_lock(engine: Engine) -> ContextManager[Any]:
+    """Held around a write transaction on the request path (admission) and the ledger's. SQLite lets one connection
+    write at a time, and one that finds the file locked sleeps in growing steps (1, 2, 5, 10, 15 ms ...) before it
+    looks again: two threads of this process that queue here instead start the moment the other commits. One lock
+    per database file, shared by every engine on it. PostgreSQL locks rows: no lock."""
+    if engine.dialect.name != "sqlite":
+        return contextlib.nullcontext()
+    name = engine.url.database or ""
+    key = os.path.abspath(name) if name and name != ":memory:" else str(engine.url)
+    with _write_locks_guard:
+        lock = _write_locks.setdefault(key, threading.Lock())
+    return lock
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

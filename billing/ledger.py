@@ -28,7 +28,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 
 from billing.admission_journal import AdmissionJournal, events_of, orphaned_journals
 from billing.budget_alerts import SoftBudgetCrossed, claim_crossings
-from billing.db import dialect_insert
+from billing.db import dialect_insert, write_lock
 from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, UsageEvent, utcnow
 from billing.money import ZERO, dollars, usd
@@ -423,7 +423,7 @@ class Ledger:
             where=UsageEvent.__table__.c.status == "interrupted",
         ).returning(UsageEvent.request_id)
         crossed: list[SoftBudgetCrossed] = []
-        with self._engine.begin() as conn:
+        with write_lock(self._engine), self._engine.begin() as conn:
             inserted = set(conn.execute(stmt, unique).scalars())
             new_rows = [row for row in unique if row["request_id"] in inserted]
             changes = CounterChanges()

@@ -155,34 +155,51 @@ def _sql(db: Engine) -> _AdmissionSql:
 
 def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, model: str, endpoint: str,
              now: float) -> Admitted:
+    with db.begin() as conn:
+        result = reserve_in(conn, db, request_id, owner, budgets, worst, model=model, endpoint=endpoint, now=now)
+        if isinstance(result, Refusal):
+            raise _Refused(result)  # rolls back, which leaves no counter row a refusal created
+        return result
+
+
+def reserve_in(conn: Connection, db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, *,
+               model: str, endpoint: str, now: float) -> Admitted | Refusal:
+    """`reserve()` on a transaction the caller owns (billing/admission_writer.py runs many in one): a refusal gives
+    back what this request had taken before it returns, so the transaction's other work stands."""
     period, minute = month_of(now), minute_of(now)
     scopes = sorted([(s, i, b, "") for s, i, b in (("tenant", budgets.tenant_id, budgets.tenant_budget_usd),
                                                     ("key", budgets.api_key_id, budgets.key_budget_usd))
                      if b is not None] + [(s.scope, s.id, s.budget_usd, s.name) for s in budgets.scoped])
     sql = _sql(db)
-    with db.begin() as conn:
-        for scope, scope_id, budget, name in scopes:  # in the one lock order (see the module's docstring)
-            where = {"scope": scope, "scope_id": scope_id, "period": period}
-            if worst.cost_usd > budget or conn.execute(sql.take_counter, {
-                    **where, "cost": worst.cost_usd, "budget": budget}).first() is None:
-                spent, reserved = conn.execute(sql.counter, where).first() or (ZERO, ZERO)
-                raise _Refused(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0, name))
-        admitted = Admitted(0, 0, seconds_to_next_minute(now))
-        if budgets.rpm is not None or budgets.tpm is not None:
-            result = _take_rate(conn, sql, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
-            if isinstance(result, Refusal):
-                raise _Refused(result)
-            admitted = result
-        held = [[s.scope, s.id] for s in budgets.scoped]
-        conn.execute(sql.hold, {
-            "request_id": request_id, "owner": owner, "tenant_id": budgets.tenant_id,
-            "api_key_id": budgets.api_key_id, "period": period,
-            "tenant_usd": worst.cost_usd if budgets.tenant_budget_usd is not None else None,
-            "key_usd": worst.cost_usd if budgets.key_budget_usd is not None else None,
-            "scoped_usd": worst.cost_usd if held else None, "scoped_holds": held or None,
-            "minute": minute if budgets.tpm is not None else None,
-            "tokens": worst.tokens if budgets.tpm is not None else None,
-            "model": model, "endpoint": endpoint, "created_at": datetime.fromtimestamp(now, timezone.utc)})
+    taken = CounterChanges()
+
+    def refuse(refusal: Refusal) -> Refusal:
+        apply_in(conn, db, taken)
+        return refusal
+
+    for scope, scope_id, budget, name in scopes:  # in the one lock order (see the module's docstring)
+        where = {"scope": scope, "scope_id": scope_id, "period": period}
+        if worst.cost_usd > budget or conn.execute(sql.take_counter, {
+                **where, "cost": worst.cost_usd, "budget": budget}).first() is None:
+            spent, reserved = conn.execute(sql.counter, where).first() or (ZERO, ZERO)
+            return refuse(Refusal("budget", scope, budget, spent, reserved, worst.cost_usd, 0, name))
+        taken.reserved[(scope, scope_id, period)] = -worst.cost_usd  # each counter once: assigned, not added
+    admitted = Admitted(0, 0, seconds_to_next_minute(now))
+    if budgets.rpm is not None or budgets.tpm is not None:
+        result = _take_rate(conn, sql, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
+        if isinstance(result, Refusal):
+            return refuse(result)
+        admitted = result
+    held = [[s.scope, s.id] for s in budgets.scoped]
+    conn.execute(sql.hold, {
+        "request_id": request_id, "owner": owner, "tenant_id": budgets.tenant_id,
+        "api_key_id": budgets.api_key_id, "period": period,
+        "tenant_usd": worst.cost_usd if budgets.tenant_budget_usd is not None else None,
+        "key_usd": worst.cost_usd if budgets.key_budget_usd is not None else None,
+        "scoped_usd": worst.cost_usd if held else None, "scoped_holds": held or None,
+        "minute": minute if budgets.tpm is not None else None,
+        "tokens": worst.tokens if budgets.tpm is not None else None,
+        "model": model, "endpoint": endpoint, "created_at": datetime.fromtimestamp(now, timezone.utc)})
     return admitted
 
 
@@ -226,26 +243,36 @@ def shrink(db: Engine, request_id: str, cost_usd: Decimal, tokens: int) -> bool:
     one lock order: the reservation, then counters. False when the request holds nothing (no budget or tpm,
     or already settled)."""
     with db.begin() as conn:
-        rows = _take_rows(conn, [request_id])
-        if not rows:
-            return False
-        row = rows[0]
+        return request_id in shrink_in(conn, db, {request_id: (cost_usd, tokens)})
+
+
+def shrink_in(conn: Connection, db: Engine, used: dict[str, tuple[Decimal, int]]) -> set[str]:
+    """`shrink()` of several finished requests (request id -> (cost, tokens)) on a transaction the caller owns, in
+    one pass: their rows taken at once, put back at what each used, the counters changed once each. Returns the ids
+    that held something."""
+    rows = _take_rows(conn, list(used))
+    if not rows:
+        return set()
+    changes = CounterChanges()
+    _add_releases(rows, changes)  # all of the old holds go ...
+    kept_rows = []
+    for row in rows:
+        cost_usd, tokens = used[row.request_id]
         kept = {name: None if held is None else min(held, cost_usd)
                 for name, held in (("tenant_usd", row.tenant_usd), ("key_usd", row.key_usd),
                                    ("scoped_usd", row.scoped_usd))}
         kept_tokens = None if row.tokens is None else min(row.tokens, max(tokens, 0))
-        changes = CounterChanges()
-        _add_releases(rows, changes)  # all of the old hold goes ...
-        used = SimpleNamespace(tenant_id=row.tenant_id, api_key_id=row.api_key_id, period=row.period,
-                               scoped_holds=row.scoped_holds, minute=row.minute, tokens=kept_tokens, **kept)
-        _add_releases([used], changes, sign=+1)  # ... and what was used comes back
-        conn.execute(_sql(db).hold, {
+        _add_releases([SimpleNamespace(tenant_id=row.tenant_id, api_key_id=row.api_key_id, period=row.period,
+                                       scoped_holds=row.scoped_holds, minute=row.minute, tokens=kept_tokens, **kept)],
+                      changes, sign=+1)  # ... and what each used comes back
+        kept_rows.append({
             "request_id": row.request_id, "owner": row.owner, "tenant_id": row.tenant_id,
             "api_key_id": row.api_key_id, "period": row.period, **kept, "scoped_holds": row.scoped_holds,
             "minute": row.minute, "tokens": kept_tokens, "model": row.model, "endpoint": row.endpoint,
             "created_at": row.created_at})
-        apply_in(conn, db, changes)
-    return True
+    conn.execute(_sql(db).hold, kept_rows)
+    apply_in(conn, db, changes)
+    return {row.request_id for row in rows}
 
 
 def release(db: Engine, request_ids: list[str]) -> int:

@@ -4,6 +4,7 @@ started and stopped (flushed) by the app's lifespan."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -43,10 +44,11 @@ LOCAL_BACKENDS = (LocalEngineBackend, LocalEmbeddingBackend)  # models that run 
 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
-               own_backends: bool = False, behind_serve: bool = False) -> FastAPI:
+               own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
     with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained.
-    `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request)."""
+    `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request).
+    `freeze_after_start`: for a server process (not tests that build many apps in one): gc.freeze() once started."""
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
@@ -68,6 +70,11 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
             await _start_local_models(backends)
             recorders = _record_intervals(db, backends, settings.interval_flush_s)
         await _serve_recorded_adapters(gw, db, backends)
+        # what startup built (tokenizers, the app, the models' Python objects) lives as long as the process: frozen,
+        # the collector's full passes under load walk only what requests allocate
+        if freeze_after_start:
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:

@@ -94,9 +94,9 @@ async def _admitted(gw: Gateway, p: Principal, body: EmbeddingRequest, backend: 
     try:
         if gw.needs_admission(p):
             worst = Worst(request_cost(gw.models.prices(body.model), tokens, 0), tokens)
-            limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=body.model,
-                                             endpoint=EMBEDDINGS.endpoint, end_user=body.user,
-                                             tags=gw.tags_of(p, []))
+            limits = await gw.limiter.admit_async(p, request_id, worst, model=body.model,
+                                                  endpoint=EMBEDDINGS.endpoint, end_user=body.user,
+                                                  tags=gw.tags_of(p, []))
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())

@@ -8,15 +8,18 @@ request's usage event; a refusal after admission releases it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from decimal import Decimal
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
+from billing.admission_writer import AdmissionWriter
 from billing.ledger import Ledger
 from billing.money import ZERO, usd
 from billing.periods import seconds_to_next_minute
@@ -68,6 +71,8 @@ class Limiter:
         self.owner = owner or process_id()
         self._unreleased: set[str] = set()  # releases that failed (database down): retried by retry_releases()
         self._lock = threading.Lock()
+        # SQLite: a burst's reservations and shrinks commit together (billing/admission_writer.py)
+        self.writer = AdmissionWriter(engine) if AdmissionWriter.wanted(engine) else None
 
     def admit(self, p: Principal, request_id: str, worst: Worst, *, model: str, endpoint: str,
               end_user: str | None = None, tags: Sequence[str] = (), now: float | None = None
@@ -84,6 +89,38 @@ class Limiter:
         except OperationalError:
             self._admit_without_database(p, now)
             return None
+        return self._admitted(p, result, worst)
+
+    async def admit_async(self, p: Principal, request_id: str, worst: Worst, *, model: str, endpoint: str,
+                          end_user: str | None = None, tags: Sequence[str] = ()) -> RateLimitHeaders | None:
+        """`admit()` from the event loop: through the admission writer where there is one (SQLite), else in a worker
+        thread. A caller cancelled while its reservation is being written gets it released."""
+        if self.writer is None:
+            return await asyncio.to_thread(self.admit, p, request_id, worst, model=model, endpoint=endpoint,
+                                           end_user=end_user, tags=tags)
+        now = time.time()
+        try:
+            if p.scoped_budgets and (end_user is not None or tags):
+                budgets = await asyncio.to_thread(budgets_of, p, self._engine, end_user, tags)
+            else:
+                budgets = budgets_of(p, self._engine, end_user, tags)
+            pending = self.writer.reserve(request_id, self.owner, budgets, worst, model=model, endpoint=endpoint,
+                                          now=now)
+            try:
+                result = await asyncio.shield(asyncio.wrap_future(pending))
+            except asyncio.CancelledError:
+                pending.add_done_callback(lambda f: self._release_if_admitted(f, request_id))
+                raise
+        except OperationalError:
+            self._admit_without_database(p, now)
+            return None
+        return self._admitted(p, result, worst)
+
+    def _release_if_admitted(self, done: "Future[Admitted | Refusal]", request_id: str) -> None:
+        if not done.cancelled() and done.exception() is None and isinstance(done.result(), Admitted):
+            self.release(request_id)
+
+    def _admitted(self, p: Principal, result: Admitted | Refusal, worst: Worst) -> RateLimitHeaders | None:
         if isinstance(result, Refusal):
             raise refusal_error(p, result, worst)
         return _headers(p, result)
@@ -94,8 +131,17 @@ class Limiter:
         try:
             shrink(self._engine, request_id, cost_usd, tokens)
         except OperationalError:
-            warn_once("limits database unreachable; finished requests hold their worst case until the ledger "
-                      "settles them")
+            _warn_unsettled()
+
+    async def shrink_async(self, request_id: str, cost_usd: Decimal, tokens: int) -> None:
+        """`shrink()` from the event loop (through the admission writer where there is one)."""
+        if self.writer is None:
+            await asyncio.to_thread(self.shrink, request_id, cost_usd, tokens)
+            return
+        try:
+            await asyncio.wrap_future(self.writer.shrink(request_id, cost_usd, tokens))
+        except OperationalError:
+            _warn_unsettled()
 
     def release(self, request_id: str) -> None:
         """The request was refused after admission (no usage event follows): give its reservation back."""
@@ -130,6 +176,10 @@ class Limiter:
             spent = ledger.pending_spend(scope, scope_id) if ledger else ZERO
             if budget is not None and spent >= budget:
                 raise insufficient_quota(f"{_who(p, scope)} has spent its monthly budget of {usd(budget)}.")
+
+
+def _warn_unsettled() -> None:
+    warn_once("limits database unreachable; finished requests hold their worst case until the ledger settles them")
 
 
 def _headers(p: Principal, admitted: Admitted) -> RateLimitHeaders | None:

@@ -179,9 +179,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
             prompt_tokens = counted if counted is not None else prompt_tokens_bound
             worst = gw.worst_case(resolved, backend, prompt_tokens, params.max_tokens, params.n,
                                   prompt_counted=counted is not None)
-            limits = await run_in_threadpool(gw.limiter.admit, p, request_id, worst, model=model,
-                                             endpoint=fmt.endpoint, end_user=body.end_user(),
-                                             tags=gw.tags_of(p, body.tags()))
+            limits = await gw.limiter.admit_async(p, request_id, worst, model=model, endpoint=fmt.endpoint,
+                                                  end_user=body.end_user(), tags=gw.tags_of(p, body.tags()))
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())

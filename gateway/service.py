@@ -366,8 +366,7 @@ class Gateway:
         call.hold_shrunk = True
         cost = ZERO if call.cache_hit else self._list_price(call)
         with anyio.CancelScope(shield=True):  # done before record(): the ledger then settles the shrunk hold
-            await anyio.to_thread.run_sync(self.limiter.shrink, call.request_id, cost,
-                                           call.prompt_tokens + call.completion_tokens)
+            await self.limiter.shrink_async(call.request_id, cost, call.prompt_tokens + call.completion_tokens)
 
     def _list_price(self, call: Call) -> Decimal:
         return request_cost(self.models.prices(call.resolved or call.model), call.prompt_tokens, call.completion_tokens,

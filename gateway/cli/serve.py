@@ -104,7 +104,7 @@ def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
     backends: dict[str, ModelBackend] = {
         s.name: LocalEmbeddingBackend(s) if s.kind == "embedding" else LocalEngineBackend(s)  # type: ignore[misc]
         for s in specs}
-    app = create_app(settings, db, backends, specs, own_backends=True)
+    app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True)
     # the access log prints paths and status codes only: never headers (keys) or bodies (prompts)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
