@@ -31,7 +31,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))]
 
 
-def _dist(values: list[float]) -> dict[str, float | None]:
+def distribution(values: list[float]) -> dict[str, float | None]:
     ms = [v * 1000 for v in values]
     return {"mean": statistics.fmean(ms) if ms else None, "p50": percentile(ms, 50), "p90": percentile(ms, 90),
             "p99": percentile(ms, 99)}
@@ -57,10 +57,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
         "request_throughput": len(done) / duration_s if duration_s else None,
         "output_tok_s": tokens / duration_s if duration_s else None,
         "goodput_req_s": len(good) / duration_s if duration_s and (slo_ttft_ms or slo_tpot_ms) else None,
-        "ttft_ms": _dist([r.ttft for r in done if r.ttft is not None]),
-        "tpot_ms": _dist(tpots),
-        "itl_ms": _dist([gap for r in done for gap in r.itls]),
-        "e2e_ms": _dist([r.e2e for r in done if r.e2e is not None]),
+        "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": distribution(tpots),
+        "itl_ms": distribution([gap for r in done for gap in r.itls]),
+        "e2e_ms": distribution([r.e2e for r in done if r.e2e is not None]),
     }
 
 

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.serve_report import Progress, RequestResult
+from bench.serve_report import Progress, RequestResult, distribution
 from bench.serve_workload import ServeRequest, salted
 
 MODEL_NAME = "bench"
@@ -215,12 +215,18 @@ class GatewayTarget:
             self.proc.wait()
         self.log.close()
         with sqlite3.connect(self.home / "tollgate.db") as db:
-            rows = db.execute("SELECT request_id, completion_tokens, status FROM usage_events").fetchall()
-        events = {rid: (tokens, status) for rid, tokens, status in rows}
+            rows = db.execute("SELECT request_id, completion_tokens, status, ttft_s FROM usage_events").fetchall()
+        events = {rid: (tokens, status) for rid, tokens, status, _ in rows}
+        engine_ttft = {rid: ttft for rid, _, _, ttft in rows if ttft is not None}
         done = [r for r in results if r.ok and r.request_id]
         matched = sum(1 for r in done if events.get(r.request_id) == (r.output_tokens, "ok"))
+        # where a request's first token waited: in the engine (from AsyncEngine.generate to its first token, as the
+        # ledger has it), or before it (the client, HTTP, admission) and after it (the way back to the client)
+        timed = [r for r in done if r.ttft is not None and r.request_id in engine_ttft]
         return {"events": len(rows), "client_completed": len(done), "matched": matched,
-                "exact": matched == len(done) == len(rows)}
+                "exact": matched == len(done) == len(rows),
+                "ttft_ms_engine": distribution([engine_ttft[r.request_id] for r in timed]),
+                "ttft_ms_outside_engine": distribution([r.ttft - engine_ttft[r.request_id] for r in timed])}
 
 
 def _body(req: ServeRequest, salt: int, vocab_size: int) -> dict[str, Any]:
