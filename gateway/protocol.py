@@ -360,8 +360,9 @@ def unpaired_surrogate_at(data: Any) -> str | None:
                 if isinstance(k, str) and not _encodable(k):
                     return path
                 stack.append((child, v))
-        elif isinstance(value, list):
-            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+        elif isinstance(value, list):  # token ids need no look: only strings and containers are pushed
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)
+                         if isinstance(v, str | dict | list))
     return None
 
 
