@@ -11,7 +11,9 @@ the model's 128,256 rows; `--export-tokenizer` saves it as a small folder to car
 ones end for length too). The steps timed are the decode steps once every request has its first token; tpot_ms is
 their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (waiting for the mask worker
 included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
-while the engine thread launches it (engine/token_mask.py). Each mode runs --repeats times, alternating; the best run of
+while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in llguidance's calls
+on either thread (taking the GIL back after each included). --lexers 1 puts every sequence of the schema on one
+lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
 each is reported, and `ratio` is constrained / unconstrained."""
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
+    p.add_argument("--lexers", type=int, help="lexers a grammar spreads its sequences over (default: --mask-threads)")
+    p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
@@ -83,7 +87,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    mask_seconds, ahead_seconds, mask_steps = masker.seconds, masker.ahead_seconds, masker.steps
+    mask_seconds, ahead_seconds, native_seconds, mask_steps = (masker.seconds, masker.ahead_seconds,
+                                                               masker.native_seconds, masker.steps)
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -94,7 +99,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
-            "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0}
+            "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config["tokenizer"] = args.tokenizer
     log(f"loading {args.model} on {args.device}")
     llm = LLM(args.model, **config)
+    masker = llm.engine.runner.token_masker
+    masker.threads = args.mask_threads or masker.threads
+    llm.engine.grammars.lexers = args.lexers or masker.threads
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
     work = random_workload(args.batch, args.prompt_len, args.prompt_len, args.output_len, args.output_len, seed=0,
                            max_token_id=min(10_000, vocab - 1))
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
         "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
         "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
+        "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
+        "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }
     emit(result, args.out)

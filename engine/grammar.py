@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -84,10 +85,33 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: tuple[int, ...]) -
     return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=list(eos))
 
 
+def mask_threads() -> int:
+    """The size of llguidance's thread pool (engine/token_mask.py): its own default, 80% of the usable cores and
+    at most 32, computed here because each grammar spreads its matchers over that many lexers."""
+    return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+
+
 @dataclass
 class CompiledGrammar:
+    """A constraint compiled for the tokenizer. An llguidance matcher's copies share its lexer (deep_copy copies
+    the parser state, not the lexer), and the lexer's lock is held for each mask and token: the masks of copies of
+    one matcher are computed one at a time however many threads fill them. So the sequences of a grammar are
+    spread over up to `lexers` templates in turn, each compiled from the grammar text on its own (the first when
+    the grammar is compiled, the others as sequences arrive), and a step's masks are filled in parallel."""
+
     key: str
-    template: Any  # an llguidance LLMatcher in its start state; each sequence gets a copy
+    text: str  # llguidance's grammar
+    ll_tokenizer: Any
+    lexers: int
+    templates: list[Any]  # llguidance LLMatchers in their start state; each sequence gets a copy of one
+    handed_out: int = 0
+
+    def next_template(self) -> Any:
+        index = self.handed_out % self.lexers
+        self.handed_out += 1
+        if index == len(self.templates):
+            self.templates.append(_llguidance().LLMatcher(self.ll_tokenizer, self.text, log_level=0))
+        return self.templates[index]
 
 
 class SequenceGrammar:
@@ -129,8 +153,10 @@ class GrammarCompiler:
     finishes or is aborted)."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = CACHE_SIZE) -> None:
+                 cache_size: int = CACHE_SIZE, lexers: int | None = None) -> None:
+        """`lexers`: per grammar, at most (mask_threads() when not given)."""
         self._tokenizer = tokenizer
+        self.lexers = lexers or mask_threads()
         self.vocab_size = vocab_size  # the model's logits rows: a mask covers them all (a tokenizer may have fewer)
         self._eos = sorted(eos_token_ids)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -179,13 +205,13 @@ class GrammarCompiler:
         if template.is_error():
             raise ValueError(f"{spec.field}: {_message(template.get_error())}")
         self.misses += 1
-        compiled = CompiledGrammar(key, template)
+        compiled = CompiledGrammar(key, text, ll_tokenizer, self.lexers, [template])
         self._cache[key] = compiled
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return compiled
 
     def new_matcher(self, compiled: CompiledGrammar) -> SequenceGrammar:
-        grammar = SequenceGrammar(compiled.template.deep_copy(), self.mask_words)
+        grammar = SequenceGrammar(compiled.next_template().deep_copy(), self.mask_words)
         self._live.add(grammar)
         return grammar

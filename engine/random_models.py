@@ -37,6 +37,13 @@ RANDOM_MODELS: dict[str, ModelConfig] = {
         rope_scaling=None, max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=False,
         qk_norm=False, sliding_window=None, bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
     ),
+    # llama-1b's vocabulary (its logits and token masks) on a network that runs fast on a CPU: host-side work
+    # per step, such as structured outputs' masks, measured without a GPU
+    "llama-tiny-128k": ModelConfig(
+        **_LLAMA3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling=None, eos_token_ids=(128001,),
+    ),
 }
 
 SEED = 0

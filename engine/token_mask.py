@@ -4,14 +4,17 @@ A mask needs every earlier token of its sequence: the runner asks for a step's m
 is after the previous step's tokens have been read on the host (with async scheduling too: LLMEngine.step reads
 them before it samples the step it has just launched). The masks are filled by llguidance's thread pool into one
 pinned buffer, copied to the logits' device at once; the sampler then bans the masked tokens of the constrained rows
-only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more.
+only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
+parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
 With async scheduling the work starts a step early: once a step's tokens are sampled on the device (start_ahead),
 a worker thread waits for them to reach the host, has each constrained sequence's matcher consume its new token and
 fills the masks the next step will need, while the engine thread schedules and launches that step and processes
 the tokens. The next step takes the rows whose matcher is still exactly where the worker left it and fills any
-others itself. Only the worker or the engine thread touches the matchers at any time: the engine thread waits for
-the worker before it does."""
+others itself; when all of them are, in the same order, the worker's buffer is copied to the device as it is.
+Only the worker or the engine thread touches the matchers at any time: the engine thread waits for the worker
+before it does. The worker holds the GIL only between its three native calls (the wait for the tokens, consuming
+them, filling the masks): each time it takes the GIL back it may wait for the engine thread to let it go."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.deferred_tokens import DeferredTokens
-from engine.grammar import SequenceGrammar
+from engine.grammar import SequenceGrammar, mask_threads
 from engine.sequence import Sequence
 
 
@@ -45,6 +48,12 @@ class _Ahead:
     num_consumed: list[int]
     words: torch.Tensor
 
+    def serves(self, seqs: SequenceOf[Sequence]) -> bool:
+        """Whether row i is the mask seqs[i] needs now, for every i and no other row."""
+        return len(seqs) == len(self.grammars) and all(
+            ref() is seq.grammar and num_consumed == seq.grammar.num_consumed and not seq.grammar.new_tokens(seq)
+            for ref, num_consumed, seq in zip(self.grammars, self.num_consumed, seqs))
+
     def rows_by_grammar(self) -> dict[int, tuple[int, int, SequenceGrammar]]:
         """id of each grammar still alive -> (row, tokens consumed, the grammar: held while the dict is)."""
         out = {}
@@ -56,26 +65,32 @@ class _Ahead:
 
 
 class TokenMasker:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, threads: int | None = None) -> None:
+        """`threads`: llguidance's pool size (mask_threads() when not given)."""
         self.device = device
+        self.threads = threads or mask_threads()
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
+        self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
+        self._rows: torch.Tensor | None = None
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
-        # worker included), worker seconds, steps with masks, rows, rows the worker had ready
+        # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
+        # after each included), steps with masks, rows, rows the worker had ready
         self.seconds = 0.0
         self.ahead_seconds = 0.0
+        self.native_seconds = 0.0
         self.steps = 0
         self.rows = 0
         self.rows_ahead = 0
 
     @property
     def executor(self):
-        """llguidance's thread pool (80% of the host's cores, at most 32), made on first use."""
+        """llguidance's thread pool, made on first use."""
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(self.threads)
         return self._executor
 
     def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
@@ -85,12 +100,26 @@ class TokenMasker:
         if not constrained:
             return None
         started = time.perf_counter()
-        pinned = self.device.type == "cuda"
-        words = torch.empty((len(constrained), constrained[0][1].grammar.mask_words), dtype=torch.int32,
-                            pin_memory=pinned)
+        constrained_seqs = [seq for _, seq in constrained]
+        if ahead is not None and ahead.serves(constrained_seqs):
+            words, num_ahead = ahead.words, len(constrained)
+        else:
+            words, num_ahead = self._assemble(constrained_seqs, ahead)
+        bitmask = TokenBitmask(self._device_rows(tuple(row for row, _ in constrained)),
+                               words.to(self.device, non_blocking=True))
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        self.rows += len(constrained)
+        self.rows_ahead += num_ahead
+        return bitmask
+
+    def _assemble(self, seqs: list[Sequence], ahead: _Ahead | None) -> tuple[torch.Tensor, int]:
+        """The masks of seqs, in order: the worker's rows that are still current, the others filled now; and how
+        many came from the worker."""
+        words = self._new_words(len(seqs), seqs[0].grammar.mask_words)
         ready = ahead.rows_by_grammar() if ahead is not None else {}
         copied, copied_from, fresh = [], [], []
-        for i, (_, seq) in enumerate(constrained):
+        for i, seq in enumerate(seqs):
             found = ready.get(id(seq.grammar))
             if (found is not None and found[2] is seq.grammar and found[1] == seq.grammar.num_consumed
                     and not seq.grammar.new_tokens(seq)):
@@ -101,18 +130,24 @@ class TokenMasker:
         if copied:
             words[copied] = ahead.words[copied_from]
         if fresh:
-            grammars = [constrained[i][1].grammar for i in fresh]
-            self._catch_up([constrained[i][1] for i in fresh])
-            self._fill(words, [(g.matcher, i) for g, i in zip(grammars, fresh)])
-        rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
-        if pinned:
-            rows = rows.pin_memory()
-        bitmask = TokenBitmask(rows.to(self.device, non_blocking=True), words.to(self.device, non_blocking=True))
-        self.seconds += time.perf_counter() - started
-        self.steps += 1
-        self.rows += len(constrained)
-        self.rows_ahead += len(copied)
-        return bitmask
+            self._catch_up([seqs[i] for i in fresh])
+            self._fill(words, [(seqs[i].grammar.matcher, i) for i in fresh])
+        return words, len(copied)
+
+    def _new_words(self, num_rows: int, mask_words: int) -> torch.Tensor:
+        """A host buffer for masks: pinned for a CUDA device (the caching host allocator reuses a block only once
+        the copies that read it are done)."""
+        return torch.empty((num_rows, mask_words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def _device_rows(self, rows: tuple[int, ...]) -> torch.Tensor:
+        """The logits rows of a step's masks on the device; the last step's tensor when they are the same rows (a
+        steady batch), which the kernels only read."""
+        if rows != self._rows_key or self._rows is None:
+            host = torch.tensor(rows, dtype=torch.int64)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            self._rows_key, self._rows = rows, host.to(self.device, non_blocking=True)
+        return self._rows
 
     def start_ahead(self, tokens: DeferredTokens) -> None:
         """The step whose tokens these are has been sampled on the device: fill the masks of the next step in the
@@ -123,7 +158,8 @@ class TokenMasker:
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
-        self._ahead = self._worker.submit(self._fill_ahead, tokens, items)
+        words = self._new_words(len(items), tokens.seqs[items[0][0]].grammar.mask_words)
+        self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
     def wait(self) -> None:
         """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
@@ -140,18 +176,18 @@ class TokenMasker:
         self.seconds += time.perf_counter() - started
         return ahead
 
-    def _fill_ahead(self, tokens: DeferredTokens, items: list[tuple[int, weakref.ref[SequenceGrammar]]]
-                    ) -> _Ahead | None:
+    def _fill_ahead(self, tokens: DeferredTokens, items: list[tuple[int, weakref.ref[SequenceGrammar]]],
+                    words: torch.Tensor) -> _Ahead | None:
+        """In the worker: words (a row per item) gets the masks of the items' grammars still alive, in order."""
         values = tokens.tolist()  # waits for the device
         started = time.perf_counter()
         live = [(row, grammar) for row, ref in items if (grammar := ref()) is not None]
         if not live:
             return None
-        accepted = self.executor.consume_token_par([(g.matcher, values[row]) for row, g in live])
+        accepted = self._consume([(g.matcher, values[row]) for row, g in live])
         for (row, grammar), ok in zip(live, accepted):
             grammar.consumed(tokens.seqs[row], values[row], ok)
-        words = torch.empty((len(live), live[0][1].mask_words), dtype=torch.int32,
-                            pin_memory=self.device.type == "cuda")
+        words = words[: len(live)]
         self._fill(words, [(g.matcher, i) for i, (_, g) in enumerate(live)])
         self.ahead_seconds += time.perf_counter() - started
         return _Ahead([weakref.ref(g) for _, g in live], [g.num_consumed for _, g in live], words)
@@ -167,11 +203,20 @@ class TokenMasker:
             elif new:
                 seq.grammar.consume(seq, new)
         if singles:
-            accepted = self.executor.consume_token_par([(seq.grammar.matcher, token) for seq, token in singles])
+            accepted = self._consume([(seq.grammar.matcher, token) for seq, token in singles])
             for (seq, token), ok in zip(singles, accepted):
                 seq.grammar.consumed(seq, token, ok)
 
+    def _consume(self, pairs: list[tuple[object, int]]) -> list[bool]:
+        """Each matcher consumes its token, in parallel (llguidance releases the GIL)."""
+        started = time.perf_counter()
+        accepted = self.executor.consume_token_par(pairs)
+        self.native_seconds += time.perf_counter() - started
+        return accepted
+
     def _fill(self, words: torch.Tensor, targets: list[tuple[object, int]]) -> None:
-        """Each matcher's mask into its row of words, in parallel (llguidance releases the GIL)."""
+        """Each matcher's mask into its row of words (contiguous), in parallel (llguidance releases the GIL)."""
+        started = time.perf_counter()
         row_bytes = words.shape[1] * words.element_size()
         self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), row_bytes, words.shape[0])
+        self.native_seconds += time.perf_counter() - started

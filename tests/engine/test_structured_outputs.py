@@ -102,6 +102,18 @@ def test_async_sync_and_preempted_runs_give_the_same_valid_outputs(tiny) -> None
     assert tight.engine.metrics.num_preemptions > 0
 
 
+def test_sequences_spread_over_several_lexers_write_the_same_documents(tiny) -> None:
+    """Copies of one matcher share its lexer, so the engine spreads a grammar's sequences over several templates,
+    each compiled on its own, and fills their masks in parallel: the documents stay the same, token for token."""
+    one_lexer = tiny()
+    one_lexer.engine.grammars.lexers, one_lexer.engine.runner.token_masker.threads = 1, 1
+    expected = run(one_lexer, mixed_requests() * 2)
+    spread = tiny()
+    spread.engine.grammars.lexers, spread.engine.runner.token_masker.threads = 3, 2
+    assert run(spread, mixed_requests() * 2) == expected
+    assert len(spread.engine.grammars.compile(mixed_requests()[0].structured_outputs).templates) == 2
+
+
 def test_unconstrained_rows_are_untouched_by_their_neighbours_masks(llm: LLM) -> None:
     plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
              SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)]
