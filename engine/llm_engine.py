@@ -332,7 +332,8 @@ class LLMEngine:
         self.sleep_mode.sleep(level)
 
     def wake(self) -> float:
-        """Weights, KV pool and CUDA graphs back; the seconds it took (0.0 when awake)."""
+        """Weights and KV pool back (CUDA graphs are captured again as decode steps need them); the seconds it took
+        (0.0 when awake)."""
         return self.sleep_mode.wake()
 
     @property
