@@ -7,7 +7,8 @@ Writes the random checkpoint as safetensors first (reused when there; bf16 on CU
 - read rates of the checkpoint's files, cold (each file's pages dropped from the page cache first with
   posix_fadvise DONTNEED) and warm: a plain sequential read (the floor), safetensors.torch.load_file to the
   device, and the engine's reader (engine/safetensors_reader.py) to the device;
-- a fresh process (interpreter, imports, LLM(path), first token), cold;
+- a fresh process (interpreter, imports, LLM(path), first token), cold; it reads the checkpoint ahead from its
+  start, while it imports torch, as the engine core process does;
 - in this process, to the first token of a 128-token prompt: wake from level 1, and from level 2 cold and warm.
 Each timing --repeats times; the JSON has every run, the summary line the best of each against its goal."""
 
@@ -123,8 +124,12 @@ def prompt_ids(vocab_size: int) -> list[int]:
 
 
 def child(path: str, device: str, max_model_len: int) -> None:
-    """In a fresh process: import, build, first token of the prompt; prints wall-clock stamps."""
+    """In a fresh process: import, build, first token of the prompt; prints wall-clock stamps. It starts reading the
+    checkpoint ahead before it imports torch, as the engine core process does (engine/core_process.py)."""
     started = time.time()
+    from engine.checkpoint_prefetch import prefetch_checkpoint
+
+    prefetch_checkpoint(path)
     from engine import LLM, SamplingParams
 
     imported = time.time()

@@ -19,12 +19,17 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.checkpoint_prefetch import prefetch_checkpoint
 from engine.config import EngineConfig
-from engine.engine_core import CoreLoop, CoreRequest, CoreSink, ModelFacts
 from engine.errors import EngineDeadError
 from engine.outputs import Delta
+
+if TYPE_CHECKING:
+    from engine.engine_core import CoreRequest, CoreSink
+
+# The child imports engine.engine_core (torch, the model code: seconds) only once its checkpoint is being read ahead.
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ class ProcessCore:
     def __init__(self, config: EngineConfig, sink: CoreSink, start_timeout_s: float = 3600.0) -> None:
         """Starts the core process and waits until its model is loaded; a model that fails to load raises here
         (a ValueError for a bad config or source, as LLMEngine would)."""
+        from engine.engine_core import ModelFacts
         from engine.loader import load_tokenizer
 
         self._sink = sink
@@ -279,9 +285,11 @@ class _AdapterLoads:
 
 
 def serve(conn: Connection) -> None:
+    config: EngineConfig = conn.recv()
+    prefetch_checkpoint(config.model)
+    from engine.engine_core import CoreLoop
     from engine.llm_engine import LLMEngine
 
-    config: EngineConfig = conn.recv()
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - the parent raises it

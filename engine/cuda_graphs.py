@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one graph per bucketed batch size, replayed over static buffers.
+"""CUDA graphs for decode steps: one graph per bucketed batch size, replayed over static buffers, each captured
+the first time a step of its shape runs.
 
 A decode step launches a few hundred small kernels; replaying a captured graph removes their launch
 gaps. Rows past the real batch write nowhere (slot -1) and their outputs are ignored. The decode
@@ -11,11 +12,17 @@ Each graph begins with a kernel that unpacks the step's inputs from one buffer t
 
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
 (its last token and k drafts), which go through the prefill attention kernel; that kernel's launch
-depends only on the token and sequence counts, so one graph per batch size serves those steps too."""
+depends only on the token and sequence counts, so one graph per batch size serves those steps too.
+
+Capturing every shape up front took 1.5-2 s of an 8B model's start and of every wake from sleep (the graphs point
+at the KV pool and the weights, which a wake puts at new addresses), all before the first token; a prefill needs no
+graph, so capturing on first use keeps that time off the first token and spends it only on the shapes that run.
+All graphs share one memory pool: a step replays one graph and reads its output before the next replays."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -108,29 +115,37 @@ class DecodeGraphs:
         return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
                           self.kv_caches)
 
+    def key(self, host: HostInputs) -> tuple[int, int]:
+        """(batch size, table width) of the graph that runs a step that fits."""
+        bs = next(s for s in self.sizes if s >= host.num_seqs)
+        width = next(w for w in self.widths(bs)
+                     if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
+        return bs, width
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            for width in reversed(self.widths(bs)):
-                self._forward(bs, width)  # warm-up: Triton compiles and autotunes outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[bs, width] = self._forward(bs, width)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs, width] = graph
+    def capture(self, bs: int, width: int) -> None:
+        """Captures the graph of one shape. Its warm-up pass runs eagerly over an all-padding step (the staging
+        buffer zeroed: no sequences), so it writes no KV slot whatever the buffers held before."""
+        started = time.perf_counter()
+        self.staging.zero_()
+        self._forward(bs, width)  # warm-up: Triton compiles and autotunes outside the capture
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for steps of %d token(s) per sequence, batch sizes %s, context buckets %s "
-                 "(blocks, batches <= %d)", self.q, self.sizes, self.buckets, BUCKETED_MAX_BATCH)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process (a tokenizer, an adapter load) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs[bs, width] = self._forward(bs, width)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs, width] = graph
+        log.debug("captured the CUDA graph of %d sequence(s) x %d token(s), %d blocks wide, in %.0f ms", bs, self.q,
+                  width, 1000 * (time.perf_counter() - started))
 
     def run(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """Replays the graph for a step that fits: copies the staged step into the graph's buffer (pending input
         tokens are read from previous_ids) and returns the hidden states of its tokens."""
-        n = host.num_seqs
-        bs = next(s for s in self.sizes if s >= n)
-        width = next(w for w in self.widths(bs)
-                     if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
+        bs, width = self.key(host)
+        if (bs, width) not in self.graphs:
+            self.capture(bs, width)
         staged = graph_staging(host, previous_ids)
         self.staging.view(torch.uint8)[: staged.numel()].copy_(staged, non_blocking=True)
         self.graphs[bs, width].replay()

@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
+from engine.checkpoint_prefetch import prefetch_checkpoint
 from engine.config import EngineConfig, SamplingParams
 from engine.deferred_tokens import DeferredTokens, drop_pending_token
 from engine.errors import PromptTooLongError
@@ -53,6 +54,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
+        prefetch_checkpoint(config.model)  # the disk works while CUDA starts and the network is built
         self.device, self.dtype = resolve_device_and_dtype(config)
         torch.manual_seed(config.seed)
         log.info("loading %s on %s (%s)", config.model, self.device, self.dtype)
@@ -332,7 +334,8 @@ class LLMEngine:
         self.sleep_mode.sleep(level)
 
     def wake(self) -> float:
-        """Weights, KV pool and CUDA graphs back; the seconds it took (0.0 when awake)."""
+        """Weights and KV pool back (CUDA graphs are captured again as decode steps need them); the seconds it took
+        (0.0 when awake)."""
         return self.sleep_mode.wake()
 
     @property

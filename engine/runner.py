@@ -100,8 +100,9 @@ class ModelRunner:
                  self.num_blocks * self.bytes_per_block / 2**30)
 
     def allocate_kv_cache(self) -> None:
-        """The KV pool (num_blocks blocks, zeroed) and, on CUDA, the decode graphs captured over it and the
-        network's weights as they are now: at start, and again when a sleeping engine wakes."""
+        """The KV pool (num_blocks blocks, zeroed) and, on CUDA, the decode graphs over it and the network's weights
+        as they are now (each captured by the first step of its shape): at start, and again when a sleeping engine
+        wakes."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.model_config.head_dim)
         self.kv_caches = [
             (new_kv_cache(*shape, self.kv_dtype, self.device), new_kv_cache(*shape, self.kv_dtype, self.device))
@@ -110,8 +111,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.triton_available():
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
                                        self.device)
-            self.graphs.capture()
-            self.verify_graphs = self._capture_verify_graphs()
+            self.verify_graphs = self._verify_graphs()
 
     def release_kv_cache(self) -> None:
         """Frees the KV pool and the graphs that point into it and at the weights (an engine going to sleep)."""
@@ -119,17 +119,15 @@ class ModelRunner:
         self.kv_caches = []
         self.picked_tokens = None
 
-    def _capture_verify_graphs(self) -> DecodeGraphs | None:
+    def _verify_graphs(self) -> DecodeGraphs | None:
         """Graphs for speculative verify steps in which every sequence checks all k drafts (batch-1 decode
         always does); speculation runs only below disable_by_batch_size sequences, so no larger ones."""
         spec = self.config.speculative
         if spec is None:
             return None
         max_seqs = min(self.config.max_num_seqs, spec.disable_by_batch_size)
-        graphs = DecodeGraphs(self.model, self.kv_caches, max_seqs, self.max_blocks_per_seq, self.device,
-                              tokens_per_seq=spec.num_speculative_tokens + 1)
-        graphs.capture()
-        return graphs
+        return DecodeGraphs(self.model, self.kv_caches, max_seqs, self.max_blocks_per_seq, self.device,
+                            tokens_per_seq=spec.num_speculative_tokens + 1)
 
     @property
     def bytes_per_block(self) -> int:

@@ -3,8 +3,9 @@
 Level 1 copies the weights to host memory (pinned on CUDA) and frees them and the KV pool on the device; waking
 copies them back in one transfer. Level 2 drops the weights too; waking loads them again from the model's source
 (engine/safetensors_reader.py reads a local checkpoint at the disk's speed). Either way the KV pool comes back with
-the same number of blocks, empty (the prefix cache is forgotten), and the CUDA graphs, which point at the old
-addresses, are captured again. A sleeping engine's tokenizer and bookkeeping stay, so it takes requests at once
+the same number of blocks, empty (the prefix cache is forgotten), and the CUDA graphs, which pointed at the old
+addresses, are captured again, each by the first decode step of its shape (engine/cuda_graphs.py): the first token
+after a wake waits for no capture. A sleeping engine's tokenizer and bookkeeping stay, so it takes requests at once
 and runs them after the wake."""
 
 from __future__ import annotations

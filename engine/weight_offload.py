@@ -54,6 +54,13 @@ def network_tensors(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """The device with its index: a tensor's .device always has one, and torch.device("cuda") != "cuda:0"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[_Slot], int]:
     slots, offset = [], 0
     for t in tensors:
@@ -86,8 +93,8 @@ class WeightOffload:
 
     def __init__(self, model: nn.Module, device: torch.device, host: torch.Tensor | None = None) -> None:
         """`host`: the buffer of an earlier sleep, reused when the size fits (pinning gigabytes takes seconds)."""
-        self.device = device
-        tensors = [t for t in network_tensors(model) if t.device == device]
+        self.device = indexed_device(device)
+        tensors = [t for t in network_tensors(model) if t.device == self.device]
         self._slots, self.nbytes = _layout(tensors)
         self._host = host if host is not None and host.numel() == self.nbytes else None
         self.offloaded = False

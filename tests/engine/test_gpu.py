@@ -20,11 +20,12 @@ def test_cuda_float32_greedy_equals_cpu(tiny_llama_dir):
     cpu = LLM(tiny_llama_dir, device="cpu", dtype="float32", num_kv_blocks=128)
     cuda = LLM(tiny_llama_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32)
     graphs = cuda.engine.runner.graphs
-    assert graphs is not None  # decode steps replay CUDA graphs
-    assert graphs.buckets == [16, 32] and (8, 16) in graphs.graphs and (16, 16) not in graphs.graphs
+    assert graphs is not None and not graphs.graphs  # decode steps replay CUDA graphs, each captured on first use
+    assert graphs.buckets == [16, 32]
     expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in cuda.generate(prompts, params)]
     assert got == expected
+    assert {width for _, width in graphs.graphs} == {16, 32} and max(bs for bs, _ in graphs.graphs) <= 8
     assert cuda.engine.kv.num_used_blocks == 0
 
 

@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sleep import EngineAsleepError
+from engine.weight_offload import network_tensors
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 33, 7] * 5, [3, 4, 5], [11, 12] * 9]
@@ -106,19 +107,40 @@ def test_smollm2_wakes_from_both_levels_with_the_same_tokens(smollm2):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_returns_the_gpu_memory_and_wake_recaptures_the_graphs(tiny_llama_dir, level):
+def test_sleep_returns_the_weights_and_the_kv_pool_and_decode_steps_capture_the_graphs_again(level):
     llm = LLM("random:llama-1b", device="cuda", max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
     prompts = [torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 130)]
     before = _greedy(llm, prompts)
+    captured = set(runner.graphs.graphs)
+    assert captured  # by the decode steps
     free_awake, _ = torch.cuda.mem_get_info()
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = sum(t.numel() * t.element_size() for t in network_tensors(runner.model))
+    kv_pool = runner.num_blocks * runner.bytes_per_block
     llm.sleep(level)
     free_asleep, _ = torch.cuda.mem_get_info()
-    assert free_asleep - free_awake > weights  # the weights and the KV pool both went back
-    llm.wake()
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    _assert_released(llm)
+    # the device was given the weights and the KV pool back (and the graphs' pool), not only PyTorch's cache
+    assert free_asleep - free_awake >= 0.99 * (weights + kv_pool)
+    assert llm.wake() > 0
+    assert runner.graphs is not None and not runner.graphs.graphs  # the first token waits for no capture
     assert _greedy(llm, prompts) == before
+    assert set(runner.graphs.graphs) == captured  # the same decode steps captured the same shapes again
     assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_a_level_1_wake_takes_its_weights_from_the_host_copy_in_one_transfer():
+    llm = LLM("random:llama-1b", device="cuda", max_model_len=1024, max_num_seqs=4, gpu_memory_utilization=0.3)
+    before = _greedy(llm, PROMPTS)
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    llm.sleep(1)
+    offload = llm.engine.sleep_mode._offload
+    assert offload.nbytes >= weights and offload.has_host_copy and offload.host.is_pinned()
+    llm.wake()
+    flat = {t.untyped_storage().data_ptr() for t in llm.engine.runner.model.parameters()}
+    assert len(flat) == 1  # every weight a view of the one device buffer the host copy went into
+    assert _greedy(llm, PROMPTS) == before
 
 
 @pytest.mark.gpu
