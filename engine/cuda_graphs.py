@@ -9,17 +9,23 @@ one split instead of the many a 4k-wide table asks for, and skips the combining 
 Each graph begins with a kernel that unpacks the step's inputs from one buffer the host copies in
 (kernels/step_inputs.py), so a replay is one host-to-device copy and the graph.
 
+Decode steps in which some sequence uses a LoRA adapter replay a second set, captured with the adapters' kernels in
+it (`lora`: they read each token's slot from a static buffer, engine/lora/graph_slots.py), sharing the first set's
+memory pool; base-only steps keep the graphs without those kernels.
+
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
 (its last token and k drafts), which go through the prefill attention kernel; that kernel's launch
 depends only on the token and sequence counts, so one graph per batch size serves those steps too."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from engine.batch_inputs import HostInputs, graph_staging
+from engine.lora.graph_slots import GraphLoRASlots
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from kernels.formats import step_tables_offset
@@ -56,8 +62,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         tokens_per_seq: int = 1,
+        lora: GraphLoRASlots | None = None,
+        pool: tuple | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.q = tokens_per_seq
@@ -77,7 +86,8 @@ class DecodeGraphs:
         self.staging = torch.zeros(-(-table_words // 2), dtype=torch.int64, device=device)  # n = 0: all padding
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool
+        self.num_replays = 0
 
     @property
     def max_batch_size(self) -> int:
@@ -105,8 +115,9 @@ class DecodeGraphs:
 
         unpack_step_inputs(self.staging, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.block_tables, bs, self.q)
-        return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
-                          self.kv_caches)
+        with self.lora.applied(bs * self.q) if self.lora is not None else contextlib.nullcontext():
+            return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
+                              self.kv_caches)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -121,8 +132,9 @@ class DecodeGraphs:
                     self.pool = graph.pool()
                 self.graphs[bs, width] = graph
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for steps of %d token(s) per sequence, batch sizes %s, context buckets %s "
-                 "(blocks, batches <= %d)", self.q, self.sizes, self.buckets, BUCKETED_MAX_BATCH)
+        log.info("captured CUDA graphs for steps of %d token(s) per sequence%s, batch sizes %s, context buckets %s "
+                 "(blocks, batches <= %d)", self.q, " with LoRA adapters" if self.lora is not None else "", self.sizes,
+                 self.buckets, BUCKETED_MAX_BATCH)
 
     def run(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """Replays the graph for a step that fits: copies the staged step into the graph's buffer (pending input
@@ -133,5 +145,8 @@ class DecodeGraphs:
                      if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
         staged = graph_staging(host, previous_ids)
         self.staging.view(torch.uint8)[: staged.numel()].copy_(staged, non_blocking=True)
+        if self.lora is not None:
+            self.lora.stage(host.lora_slots, bs * self.q)
         self.graphs[bs, width].replay()
+        self.num_replays += 1
         return self.outputs[bs, width][: host.num_tokens]
