@@ -10,6 +10,10 @@ one split instead of the many a 4k-wide table asks for, and skips the combining 
 Each graph begins with a kernel that unpacks the step's inputs from one buffer the host copies in
 (kernels/step_inputs.py), so a replay is one host-to-device copy and the graph.
 
+Decode steps in which some sequence uses a LoRA adapter replay a second set, captured with the adapters' kernels in
+it (`lora`: they read each token's slot from a static buffer, engine/lora/graph_slots.py), sharing the first set's
+memory pool; base-only steps keep the graphs without those kernels.
+
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
 (its last token and k drafts), which go through the prefill attention kernel; that kernel's launch
 depends only on the token and sequence counts, so one graph per batch size serves those steps too.
@@ -21,12 +25,14 @@ All graphs share one memory pool: a step replays one graph and reads its output 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
 
 from engine.batch_inputs import HostInputs, graph_staging
+from engine.lora.graph_slots import GraphLoRASlots
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from kernels.formats import step_tables_offset
@@ -63,8 +69,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         tokens_per_seq: int = 1,
+        lora: GraphLoRASlots | None = None,
+        pool: tuple | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.q = tokens_per_seq
@@ -84,7 +93,8 @@ class DecodeGraphs:
         self.staging = torch.zeros(-(-table_words // 2), dtype=torch.int64, device=device)  # n = 0: all padding
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool
+        self.num_replays = 0
 
     @property
     def max_batch_size(self) -> int:
@@ -112,8 +122,9 @@ class DecodeGraphs:
 
         unpack_step_inputs(self.staging, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.block_tables, bs, self.q)
-        return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
-                          self.kv_caches)
+        with self.lora.applied(bs * self.q) if self.lora is not None else contextlib.nullcontext():
+            return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
+                              self.kv_caches)
 
     def key(self, host: HostInputs) -> tuple[int, int]:
         """(batch size, table width) of the graph that runs a step that fits."""
@@ -137,8 +148,8 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs, width] = graph
-        log.debug("captured the CUDA graph of %d sequence(s) x %d token(s), %d blocks wide, in %.0f ms", bs, self.q,
-                  width, 1000 * (time.perf_counter() - started))
+        log.debug("captured the CUDA graph of %d sequence(s) x %d token(s), %d blocks wide%s, in %.0f ms", bs, self.q,
+                  width, " with LoRA adapters" if self.lora is not None else "", 1000 * (time.perf_counter() - started))
 
     def run(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """Replays the graph for a step that fits: copies the staged step into the graph's buffer (pending input
@@ -148,5 +159,8 @@ class DecodeGraphs:
             self.capture(bs, width)
         staged = graph_staging(host, previous_ids)
         self.staging.view(torch.uint8)[: staged.numel()].copy_(staged, non_blocking=True)
+        if self.lora is not None:
+            self.lora.stage(host.lora_slots, bs * self.q)
         self.graphs[bs, width].replay()
+        self.num_replays += 1
         return self.outputs[bs, width][: host.num_tokens]

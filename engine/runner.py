@@ -94,6 +94,7 @@ class ModelRunner:
         self.num_blocks = tp.min_over_ranks(self._choose_num_blocks())
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self.lora_graphs: DecodeGraphs | None = None  # decode steps in which a sequence uses an adapter
         self.verify_graphs: DecodeGraphs | None = None
         self.allocate_kv_cache()
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -111,6 +112,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and kernels.triton_available():
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
                                        self.device)
+            self.lora_graphs = self._lora_graphs()
             self.verify_graphs = self._verify_graphs()
 
     def release_kv_cache(self) -> None:
@@ -118,6 +120,19 @@ class ModelRunner:
         self.release_graphs()
         self.kv_caches = []
         self.picked_tokens = None
+
+    def _lora_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs with the adapters' kernels in them, in the base graphs' memory pool (each captured on first
+        use, as the base ones are). A second set rather than one that always runs the LoRA kernels: a base-only step
+        then launches none of them (even with no adapter to add, each costs a kernel launch per projection) and keeps
+        the GEMV's fused SiLU."""
+        if self.lora is None:
+            return None
+        if self.graphs.pool is None:
+            self.graphs.pool = torch.cuda.graph_pool_handle()
+        slots = self.lora.graph_slots(self.config.max_num_seqs)
+        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
+                            self.device, lora=slots, pool=self.graphs.pool)
 
     def _verify_graphs(self) -> DecodeGraphs | None:
         """Graphs for speculative verify steps in which every sequence checks all k drafts (batch-1 decode
@@ -268,9 +283,8 @@ class ModelRunner:
             previous_ids = share_previous_tokens(self.tp, host, previous_ids, self.device, self.picked_tokens)
         self.picked_tokens = None
         logits_indices = host.logits_indices
-        graphs = next((g for g in (self.graphs, self.verify_graphs)
-                       if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
-        if graphs is not None and host.lora_slots is None:  # the graphs were captured without adapters
+        graphs = self._graphs_for(host)
+        if graphs is not None:
             hidden = graphs.run(host, previous_ids)
         else:
             inputs = device_inputs(host, self.device, previous_ids)
@@ -292,6 +306,13 @@ class ModelRunner:
             return self.picked_tokens
         return self.model.compute_logits(hidden)
 
+    def _graphs_for(self, host: HostInputs) -> DecodeGraphs | None:
+        """The captured graphs that replay this step: with the adapters' kernels when a token uses an adapter (decode
+        steps only), else without; None: it runs eagerly."""
+        candidates = (self.graphs, self.verify_graphs) if host.lora_slots is None else (self.lora_graphs,)
+        return next((g for g in candidates
+                     if g is not None and g.fits(host.num_seqs, host.num_tokens, host.max_query_len)), None)
+
     def serve_steps(self) -> None:
         """The loop of a rank other than 0: run each step rank 0 sends until it says stop."""
         while (host := receive_step(self.tp)) is not None:
@@ -305,8 +326,8 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Graphs that captured NCCL calls must be freed before the process group is torn down, or
         ncclCommDestroy waits forever (pytorch/pytorch#115388)."""
-        if self.graphs is not None or self.verify_graphs is not None:
-            self.graphs = self.verify_graphs = None
+        if self.graphs is not None or self.lora_graphs is not None or self.verify_graphs is not None:
+            self.graphs = self.lora_graphs = self.verify_graphs = None
             torch.cuda.synchronize(self.device)
             gc.collect()
 

@@ -32,6 +32,7 @@ __all__ = [
     "linear",
     "linear_silu_and_mul",
     "lora_add_",
+    "lora_add_silu_and_mul",
     "norm_project_add",
     "paged_attention",
     "pick_argmax_candidate",
@@ -280,21 +281,40 @@ def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> types.SimpleNamespace | 
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-              slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> None:
+              slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, indices: LoRAIndices,
+              norm: Norm | None = None) -> None:
     """y [T, N] += each token's LoRA term (x [T, K] @ A[slot]^T) @ B[slot]^T, in place, slice by slice of a fused
     projection (kernels/punica_shrink.py, kernels/punica_expand.py: the stacks' layouts); tokens of slot -1 are left
-    alone. On CUDA a decode step (one token per sequence) runs the BGMV kernels, other steps the SGMV ones."""
+    alone. With norm, the term of rms_norm(x, *norm). On CUDA a decode step (one token per sequence) runs the BGMV
+    kernels, which fuse the norm and launch nothing else (what a CUDA graph of the step captures), other steps the
+    SGMV ones."""
     check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
     if ops := _triton_for(x):
         if indices.one_token_per_seq:
-            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices)
+            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
             ops.punica_expand.bgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
-        else:
-            shrunk = ops.punica_shrink.sgmv_shrink(x, a_stack, indices)
-            ops.punica_expand.sgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
+            return
+        x = x if norm is None else ops.norm.rms_norm(x, *norm)
+        shrunk = ops.punica_shrink.sgmv_shrink(x, a_stack, indices)
+        ops.punica_expand.sgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
         return
+    x = x if norm is None else _ref.rms_norm(x, *norm)
     shrunk = _ref.lora_shrink(x, a_stack, indices.token_slots)
     _ref.lora_expand_(y, shrunk, b_stack, indices.token_slots, slice_offsets_host, rank)
+
+
+def lora_add_silu_and_mul(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                          slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, indices: LoRAIndices,
+                          norm: Norm | None = None) -> torch.Tensor:
+    """silu_and_mul of a fused gate|up projection's output y [T, 2N] after lora_add_ (its two slices of N columns);
+    on CUDA a decode step adds the expand and the product in one kernel. y may be overwritten."""
+    if ops := _triton_for(x):
+        if indices.one_token_per_seq and slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]]:
+            check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
+            return ops.punica_expand.bgmv_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
+    lora_add_(y, x, a_stack, b_stack, slice_offsets, slice_offsets_host, rank, indices, norm=norm)
+    return silu_and_mul(y)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,

@@ -49,6 +49,17 @@ def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_se
         starts = np.zeros(1, dtype=np.int32)
     seg_slots = slots[starts[:-1]]
     lengths = np.diff(starts)
-    packed = torch.from_numpy(np.concatenate([slots, starts, seg_slots])).to(device, non_blocking=True)
+    packed = _to_device(np.concatenate([slots, starts, seg_slots]), torch.device(device))
     token_t, starts_t, seg_t = packed.split([slots.size, starts.size, seg_slots.size])
     return LoRAIndices(token_t, starts_t, seg_t, int(lengths.max(initial=0)), one_token_per_seq)
+
+
+def _to_device(words: np.ndarray, device: torch.device) -> torch.Tensor:
+    """On CUDA through pinned memory (the caching host allocator's): a copy from pageable memory would make the host
+    wait for the step in flight."""
+    host = torch.from_numpy(words)
+    if device.type != "cuda":
+        return host.to(device)
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)

@@ -3,7 +3,8 @@
 slice_offsets[i]:slice_offsets[i + 1] take ranks i*R:(i+1)*R of the shrunk rows.
 
 SGMV form (prefill): one program per (segment, block of its rows, slice and block of columns), a tl.dot over the rank;
-BGMV form (decode): one program per (token, slice, block of columns). b_stack [S, N, R] holds every slot's B with the
+BGMV form (decode): one program per (token, slice, block of columns), which first adds up the shrink's split-K
+partial sums for its token (and applies a fused norm's 1 / RMS). b_stack [S, N, R] holds every slot's B with the
 adapter's scaling folded in; base-model tokens (slot -1) are skipped."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import triton
 import triton.language as tl
 
 from kernels.lora_indices import LoRAIndices
+from kernels.pdl import launch_options, wait_for_earlier_kernels
+from kernels.punica_shrink import SplitShrunk
 
 
 @triton.jit
@@ -51,10 +54,11 @@ def _sgmv_expand_kernel(
 @triton.jit
 def _bgmv_expand_kernel(
     y_ptr, s_ptr, b_ptr, token_slots_ptr, slice_offsets_ptr,
-    R,
-    stride_ym, stride_yn, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    R, NUM_SPLITS, SQUARES_COL, K, eps,
+    stride_ym, stride_yn, stride_ss, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_slots_ptr + token).to(tl.int64)
     slice_index = tl.program_id(1)
@@ -64,13 +68,61 @@ def _bgmv_expand_kernel(
     if (slot >= 0) & (col_start + tl.program_id(2) * BLOCK_N < col_end):
         ranks = tl.arange(0, BLOCK_R)
         col_ok = cols < col_end
-        s = tl.load(s_ptr + token * stride_sm + (slice_index * R + ranks) * stride_sr, mask=ranks < R, other=0.0)
+        row = s_ptr + token * stride_sm
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for split in range(0, NUM_SPLITS):
+            s += tl.load(row + split * stride_ss + (slice_index * R + ranks) * stride_sr, mask=ranks < R, other=0.0)
+        if NORM:
+            squares = tl.zeros((1,), dtype=tl.float32)
+            for split in range(0, NUM_SPLITS):
+                squares += tl.load(row + split * stride_ss + (SQUARES_COL + tl.arange(0, 1)) * stride_sr)
+            s = s * tl.rsqrt(squares / K + eps)
         b = tl.load(b_ptr + slot * stride_bs + cols[:, None] * stride_bn + ranks[None, :] * stride_br,
                     mask=col_ok[:, None] & (ranks[None, :] < R), other=0.0).to(tl.float32)
         delta = tl.sum(b * s[None, :], axis=1)
         y_ptrs = y_ptr + token * stride_ym + cols * stride_yn
         y = tl.load(y_ptrs, mask=col_ok, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _bgmv_expand_silu_kernel(
+    y_ptr, out_ptr, s_ptr, b_ptr, token_slots_ptr,
+    N, R, NUM_SPLITS, SQUARES_COL, K, eps,
+    stride_ym, stride_yn, stride_om, stride_on, stride_ss, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
+):
+    wait_for_earlier_kernels(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(token_slots_ptr + token).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gate = tl.load(y_ptr + token * stride_ym + cols * stride_yn, mask=col_ok, other=0.0).to(tl.float32)
+    up = tl.load(y_ptr + token * stride_ym + (N + cols) * stride_yn, mask=col_ok, other=0.0).to(tl.float32)
+    if slot >= 0:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        row = s_ptr + token * stride_sm
+        s_gate = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        s_up = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for split in range(0, NUM_SPLITS):
+            s_gate += tl.load(row + split * stride_ss + ranks * stride_sr, mask=rank_ok, other=0.0)
+            s_up += tl.load(row + split * stride_ss + (R + ranks) * stride_sr, mask=rank_ok, other=0.0)
+        if NORM:
+            squares = tl.zeros((1,), dtype=tl.float32)
+            for split in range(0, NUM_SPLITS):
+                squares += tl.load(row + split * stride_ss + (SQUARES_COL + tl.arange(0, 1)) * stride_sr)
+            scale = tl.rsqrt(squares / K + eps)
+            s_gate = s_gate * scale
+            s_up = s_up * scale
+        b_rows = b_ptr + slot * stride_bs + ranks[None, :] * stride_br
+        b_mask = col_ok[:, None] & rank_ok[None, :]
+        b_gate = tl.load(b_rows + cols[:, None] * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+        b_up = tl.load(b_rows + (N + cols[:, None]) * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+        gate += tl.sum(b_gate * s_gate[None, :], axis=1)
+        up += tl.sum(b_up * s_up[None, :], axis=1)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + token * stride_om + cols * stride_on, (silu * up).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _widest_slice(slice_offsets: list[int]) -> int:
@@ -95,16 +147,40 @@ def sgmv_expand_(y: torch.Tensor, shrunk: torch.Tensor, b_stack: torch.Tensor, i
     )
 
 
-def bgmv_expand_(y: torch.Tensor, shrunk: torch.Tensor, b_stack: torch.Tensor, indices: LoRAIndices,
+def bgmv_expand_(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
                  slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int) -> None:
     if y.shape[0] == 0:
         return
     block_r = max(16, triton.next_power_of_2(rank))
     block_n = 128
+    partials = shrunk.partials
     grid = (y.shape[0], len(slice_offsets_host) - 1, triton.cdiv(_widest_slice(slice_offsets_host), block_n))
     _bgmv_expand_kernel[grid](
-        y, shrunk, b_stack, indices.token_slots, slice_offsets, rank,
-        y.stride(0), y.stride(1), shrunk.stride(0), shrunk.stride(1),
+        y, partials, b_stack, indices.token_slots, slice_offsets, rank, partials.shape[0], partials.shape[2] - 1,
+        shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
+        y.stride(0), y.stride(1), partials.stride(0), partials.stride(1), partials.stride(2),
         b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4,
+        BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=4, **launch_options(y),
     )
+
+
+def bgmv_expand_silu_and_mul(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
+                             rank: int) -> torch.Tensor:
+    """silu(gate) * up of a fused gate|up projection's output y [T, 2N], each token's LoRA term added to both halves
+    first (slices 0 and 1 of the shrunk rows and b_stack [S, 2N, R]) -> [T, N]: the expand and the SiLU product in
+    one kernel, base-model tokens' rows taking the product alone."""
+    num_tokens, n = y.shape[0], y.shape[1] // 2
+    out = torch.empty(num_tokens, n, dtype=y.dtype, device=y.device)
+    if num_tokens == 0 or n == 0:
+        return out
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_n = 128
+    partials = shrunk.partials
+    _bgmv_expand_silu_kernel[(num_tokens, triton.cdiv(n, block_n))](
+        y, out, partials, b_stack, indices.token_slots, n, rank, partials.shape[0], partials.shape[2] - 1,
+        shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1), partials.stride(0), partials.stride(1),
+        partials.stride(2), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=4, **launch_options(y),
+    )
+    return out

@@ -1,17 +1,21 @@
 """LoRA shrink: the rank-sized product x @ A^T of each token with its adapter's A (Punica's shrink).
 
-Prefill steps take the SGMV form: one program per (segment, block of its rows, block of ranks), a tl.dot over K;
-decode steps the BGMV form: one program per (token, block of ranks, split of K), the splits summed with atomic adds.
-Both write float32 [T, R'], zeros for base-model tokens. a_stack [S, R', K] holds every slot's A (the slices of a
-fused projection stacked along R')."""
+Prefill steps take the SGMV form: one program per (segment, block of its rows, block of ranks), a tl.dot over K,
+writing float32 [T, R'] (zeros for base-model tokens); decode steps the BGMV form: one program per (token, block of
+ranks, split of K), each split's partial sums kept for the expand to add up (SplitShrunk), with the RMSNorm before
+the projection optionally fused. a_stack [S, R', K] holds every slot's A (the slices of a fused projection stacked
+along R')."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_indices import LoRAIndices
+from kernels.pdl import launch_options, wait_for_earlier_kernels
 
 
 @triton.jit
@@ -43,25 +47,54 @@ def _sgmv_shrink_kernel(
 
 @triton.jit
 def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, out_ptr, token_slots_ptr,
+    x_ptr, a_ptr, norm_weight_ptr, out_ptr, token_slots_ptr,
     K, R, K_PER_SPLIT,
-    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_om, stride_or,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_or,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_earlier_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_slots_ptr + token).to(tl.int64)
     if slot >= 0:
         ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        k_start = tl.program_id(2) * K_PER_SPLIT
+        split = tl.program_id(2)
+        k_start = split * K_PER_SPLIT
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = (ks < K) & (ks < k_start + K_PER_SPLIT)
             x = tl.load(x_ptr + token * stride_xm + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + slot * stride_as + ranks[:, None] * stride_ar + ks[None, :] * stride_ak,
                         mask=(ranks[:, None] < R) & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(a * x[None, :], axis=1)
-        tl.atomic_add(out_ptr + token * stride_om + ranks * stride_or, acc, mask=ranks < R)
+        out = out_ptr + split.to(tl.int64) * stride_os + token * stride_om
+        tl.store(out + ranks * stride_or, acc, mask=ranks < R)
+        if NORM:  # column R: this split's sum of squares, stored by the first block of ranks
+            first = tl.arange(0, 1) + tl.program_id(1) == 0
+            tl.store(out + (R + tl.arange(0, 1)) * stride_or, tl.sum(squares[None, :], axis=1), mask=first)
+
+
+@dataclass
+class SplitShrunk:
+    """bgmv_shrink's output, which bgmv_expand_ reduces: partials [splits, T, R' + 1] float32, each split's share of
+    x @ A^T over its range of K; with a fused norm (eps not None) column R' holds the split's sum of x^2, from which
+    the expand scales the sum by rsqrt(sum x^2 / K + eps). Rows of base-model tokens are left unwritten."""
+
+    partials: torch.Tensor
+    k: int
+    eps: float | None
+
+    def rows(self) -> torch.Tensor:
+        """[T, R'] as the expand uses them (for tests; garbage on base-model rows)."""
+        total = self.partials.sum(0)
+        shrunk = total[:, :-1]
+        if self.eps is None:
+            return shrunk
+        return shrunk * torch.rsqrt(total[:, -1:] / self.k + self.eps)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -87,24 +120,28 @@ def sgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices) ->
     return out
 
 
-def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None
-                ) -> torch.Tensor:
-    """x [T, K] -> float32 [T, R']: token-wise x @ a_stack[token_slots[t]]^T, K split over programs (few tokens
-    would otherwise leave most of the GPU idle)."""
+def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
+                norm: tuple[torch.Tensor, float] | None = None) -> SplitShrunk:
+    """Token-wise x @ a_stack[token_slots[t]]^T (of rms_norm(x, *norm) with a norm: the base projection's fused
+    one), K split over programs (few tokens would otherwise leave most of the GPU idle) whose partial sums the expand
+    adds up: no zero-filled buffer, no atomics, the same sum in every run."""
     num_tokens, k = x.shape
     r = a_stack.shape[1]
-    out = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
-        return out
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     block_k = 256
     if split_k is None:  # about 128 programs in all
         split_k = max(1, min(triton.cdiv(k, block_k), 128 // max(1, num_tokens * triton.cdiv(r, block_r))))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    grid = (num_tokens, triton.cdiv(r, block_r), triton.cdiv(k, k_per_split))
-    _bgmv_shrink_kernel[grid](
-        x, a_stack, out, indices.token_slots, k, r, k_per_split,
-        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2), out.stride(0), out.stride(1),
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    num_splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(num_splits, num_tokens, r + 1, dtype=torch.float32, device=x.device)
+    shrunk = SplitShrunk(out, k, None if norm is None else float(norm[1]))
+    if num_tokens == 0:
+        return shrunk
+    norm_weight = x if norm is None else norm[0]
+    _bgmv_shrink_kernel[(num_tokens, triton.cdiv(r, block_r), num_splits)](
+        x, a_stack, norm_weight, out, indices.token_slots, k, r, k_per_split,
+        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_R=block_r, BLOCK_K=block_k, NORM=norm is not None, num_warps=4, **launch_options(x),
     )
-    return out
+    return shrunk

@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.batch import adapter_ids, token_slots
+from engine.lora.graph_slots import GraphLoRASlots
 from engine.lora.projection import LoRAStep, attach_lora
 from engine.lora.registry import AdapterEntry, LoRARegistry
 from engine.lora.slot_pool import LoRASlotPool
@@ -65,3 +66,7 @@ class LoRAManager:
 
     def set_indices(self, slots: np.ndarray | None, one_token_per_seq: bool) -> None:
         self.step.indices = None if slots is None else lora_indices(slots, self.device, one_token_per_seq)
+
+    def graph_slots(self, max_tokens: int) -> GraphLoRASlots:
+        """Static token-slot buffers for decode graphs of up to max_tokens rows captured with the adapters."""
+        return GraphLoRASlots(self.step, max_tokens, self.device)

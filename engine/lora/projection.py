@@ -1,6 +1,7 @@
-"""A base projection with the LoRA term of each token's adapter added to its output. Steps without adapters take the
-base layer's own path (its fused norm, residual and SiLU epilogues, and the CUDA graphs captured over it); steps with
-adapters apply the norm first, so the LoRA term sees the same normed input as the base weight."""
+"""A base projection with the LoRA term of each token's adapter added to its output. The base layer runs as in a
+step without adapters (its fused norm and residual add included); the LoRA kernels take the same norm, so the LoRA
+term sees the same normed input as the base weight. The gate|up projection's SiLU product must see the LoRA term, so
+with adapters it moves from the base layer's epilogue to the LoRA kernels' (decode) or after the add."""
 
 from __future__ import annotations
 
@@ -34,22 +35,27 @@ class LoRAProjection(nn.Module):
 
     def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        indices = self.step.indices
-        kwargs = {} if residual is None else {"residual": residual}
-        if indices is None:
-            return self.base(x, norm=norm, **kwargs) if norm is not None else self.base(x, **kwargs)
-        if norm is not None:
-            x = ops.rms_norm(x, *norm)
+        kwargs = {} if norm is None else {"norm": norm}
+        if residual is not None:
+            kwargs["residual"] = residual
         out = self.base(x, **kwargs)
-        s = self.stacks
-        ops.lora_add_(out.view(-1, out.shape[-1]), x.view(-1, x.shape[-1]), s.a, s.b, s.slice_offsets,
-                      s.slice_offsets_host, s.rank, indices)
+        indices = self.step.indices
+        if indices is not None:
+            ops.lora_add_(out.view(-1, out.shape[-1]), x.view(-1, x.shape[-1]), *self._stacks(), indices, norm=norm)
         return out
 
     def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
-        if self.step.indices is None:
+        indices = self.step.indices
+        if indices is None:
             return gate_up_silu(self.base, x, norm)
-        return ops.silu_and_mul(self.forward(x, norm=norm))
+        out = self.base(x) if norm is None else self.base(x, norm=norm)
+        rows = ops.lora_add_silu_and_mul(out.view(-1, out.shape[-1]), x.view(-1, x.shape[-1]), *self._stacks(),
+                                         indices, norm=norm)
+        return rows.view(*out.shape[:-1], rows.shape[-1])
+
+    def _stacks(self) -> tuple:
+        s = self.stacks
+        return s.a, s.b, s.slice_offsets, s.slice_offsets_host, s.rank
 
 
 def attach_lora(model: nn.Module, pool: LoRASlotPool, step: LoRAStep) -> None:

@@ -11,7 +11,7 @@ from kernels.lora_indices import lora_indices
 from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
 
 pytest.importorskip("triton")
-from kernels.punica_expand import bgmv_expand_, sgmv_expand_  # noqa: E402
+from kernels.punica_expand import bgmv_expand_, bgmv_expand_silu_and_mul, sgmv_expand_  # noqa: E402
 from kernels.punica_shrink import bgmv_shrink, sgmv_shrink  # noqa: E402
 
 
@@ -52,21 +52,28 @@ def test_sgmv_matches_reference_on_a_mixed_prefill(device, rank, slice_widths, k
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7])
-def test_bgmv_matches_reference_on_a_mixed_decode(device, num_tokens) -> None:
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_bgmv_matches_reference_on_a_mixed_decode(device, num_tokens, fused_norm) -> None:
     torch.manual_seed(1)
     rank, k, widths = 16, 300, [64, 32, 32]
     slots = np.array([3, -1, 0, 3, 1, -1, 2][:num_tokens], dtype=np.int32)
     a, b, offsets, offsets_t = _stacks(4, rank, k, widths, torch.float32, device)
     x = torch.randn(num_tokens, k, device=device)
+    norm = (torch.rand(k, device=device) + 0.5, 1e-5) if fused_norm else None
     indices = lora_indices(slots, device, one_token_per_seq=True)
-    shrunk = bgmv_shrink(x, a, indices, split_k=3)
-    expected = reference.lora_shrink(x, a, indices.token_slots)
-    assert rel_err(shrunk, expected) < 1e-4  # zeros on base-model rows too
-    y = torch.randn(num_tokens, offsets[-1], device=device)
-    y_ref = y.clone()
-    bgmv_expand_(y, expected, b, indices, offsets_t, offsets, rank)
+    with poisoned_outputs():  # the partial sums of base-model rows are never written: the expand must skip them
+        shrunk = bgmv_shrink(x, a, indices, split_k=3, norm=norm)
+        assert shrunk.partials.shape[0] == 2  # 300 inputs in splits of 256
+        normed = x if norm is None else reference.rms_norm(x, *norm)
+        expected = reference.lora_shrink(normed, a, indices.token_slots)
+        lora_rows = torch.from_numpy(slots >= 0).to(device)
+        assert rel_err(shrunk.rows()[lora_rows], expected[lora_rows]) < 1e-4
+        y = torch.randn(num_tokens, offsets[-1], device=device)
+        y_ref = y.clone()
+        bgmv_expand_(y, shrunk, b, indices, offsets_t, offsets, rank)
     reference.lora_expand_(y_ref, expected, b, indices.token_slots, offsets, rank)
     assert rel_err(y, y_ref) < 1e-5
+    assert torch.equal(y[~lora_rows], y_ref[~lora_rows])  # base-model rows untouched
 
 
 def test_lora_add_dispatch_equals_dense_per_token_math(device) -> None:
@@ -74,10 +81,15 @@ def test_lora_add_dispatch_equals_dense_per_token_math(device) -> None:
     torch.manual_seed(2)
     rank, k, widths = 8, 48, [32, 16]
     a, b, offsets, offsets_t = _stacks(3, rank, k, widths, torch.float32, device)
-    for slots, decode in [(np.array([2, -1, 0], dtype=np.int32), True), (_prefill_slots([(4, 1), (3, -1), (5, 2)]), False)]:
+    norm = (torch.rand(k, device=device) + 0.5, 1e-6)
+    cases = [(np.array([2, -1, 0], dtype=np.int32), True), (_prefill_slots([(4, 1), (3, -1), (5, 2)]), False)]
+    for (slots, decode), with_norm in [(case, with_norm) for case in cases for with_norm in (False, True)]:
         x = torch.randn(slots.size, k, device=device)
         y = torch.zeros(slots.size, offsets[-1], device=device)
-        kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, device, decode))
+        kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, device, decode),
+                          norm=norm if with_norm else None)
+        if with_norm:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0]
         for t, slot in enumerate(slots.tolist()):
             if slot < 0:
                 assert not y[t].any()
@@ -87,10 +99,33 @@ def test_lora_add_dispatch_equals_dense_per_token_math(device) -> None:
                 assert torch.allclose(y[t, offsets[i]:offsets[i + 1]], dense, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_bgmv_expand_with_silu_equals_expand_then_silu(device, fused_norm) -> None:
+    """The gate|up projection's decode form: its LoRA expand and the SiLU product in one kernel, base-model rows
+    taking the product of the base output alone."""
+    torch.manual_seed(4)
+    rank, k, n = 8, 72, 40
+    slots = np.array([1, -1, 0, 1, -1], dtype=np.int32)
+    a, b, offsets, offsets_t = _stacks(2, rank, k, [n, n], torch.float32, device)
+    x = torch.randn(slots.size, k, device=device)
+    y = torch.randn(slots.size, 2 * n, device=device)
+    norm = (torch.rand(k, device=device) + 0.5, 1e-5) if fused_norm else None
+    indices = lora_indices(slots, device, one_token_per_seq=True)
+    with poisoned_outputs():
+        got = bgmv_expand_silu_and_mul(y, bgmv_shrink(x, a, indices, split_k=2, norm=norm), b, indices, rank)
+    normed = x if norm is None else reference.rms_norm(x, *norm)
+    y_ref = y.clone()
+    reference.lora_expand_(y_ref, reference.lora_shrink(normed, a, indices.token_slots), b, indices.token_slots,
+                           offsets, rank)
+    assert rel_err(got, reference.silu_and_mul(y_ref)) < 1e-5
+    dispatched = kernels.lora_add_silu_and_mul(y.clone(), x, a, b, offsets_t, offsets, rank, indices, norm=norm)
+    assert rel_err(dispatched, reference.silu_and_mul(y_ref)) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("decode", [True, False])
-def test_lora_kernels_gpu_bf16_llama_8b_shapes(decode) -> None:
+@pytest.mark.parametrize("decode,fused_norm", [(True, False), (True, True), (False, False), (False, True)])
+def test_lora_kernels_gpu_bf16_llama_8b_shapes(decode, fused_norm) -> None:
     torch.manual_seed(3)
     rank, k, widths = 16, 4096, [4096, 1024, 1024]
     a, b, offsets, offsets_t = _stacks(16, rank, k, widths, torch.bfloat16, torch.device("cuda"))
@@ -98,7 +133,10 @@ def test_lora_kernels_gpu_bf16_llama_8b_shapes(decode) -> None:
     x = torch.randn(slots.size, k, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(slots.size, offsets[-1], device="cuda", dtype=torch.bfloat16)
     y_ref = y.float()
-    kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, torch.device("cuda"), decode))
-    shrunk = reference.lora_shrink(x.float(), a.float(), torch.from_numpy(slots).cuda())
+    norm = (torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5) if fused_norm else None
+    kernels.lora_add_(y, x, a, b, offsets_t, offsets, rank, lora_indices(slots, torch.device("cuda"), decode),
+                      norm=norm)
+    normed = x.float() if norm is None else reference.rms_norm(x.float(), norm[0].float(), norm[1])
+    shrunk = reference.lora_shrink(normed, a.float(), torch.from_numpy(slots).cuda())
     reference.lora_expand_(y_ref, shrunk, b.float(), torch.from_numpy(slots).cuda(), offsets, rank)
     assert rel_err(y, y_ref) < tolerance(torch.bfloat16)

@@ -1,0 +1,94 @@
+"""On the GPU: decode steps that use LoRA adapters replay CUDA graphs captured with the adapters' kernels, and give the
+greedy tokens of the same engine run eagerly, also after an adapter is swapped into a slot between two generate calls
+(the graphs read the slot pool's stacks, which a load copies into). float32, so that the graphs' and the eager steps'
+attention splits agree far beyond any near-tie."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import tiny_hf_model
+from tests.engine.lora_helpers import ALL_TARGETS, write_peft_adapter
+
+pytestmark = pytest.mark.gpu
+
+ADAPTERS = {  # name -> (rank, alpha, targets)
+    "qv-r8": (8, 16, ["q_proj", "v_proj"]),
+    "all-r16": (16, 32, ALL_TARGETS),
+    "mlp-r4": (4, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def base_and_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-graphs")
+    base = tiny_hf_model("llama")
+    base.save_pretrained(root / "base")
+    adapters = {name: write_peft_adapter(base, str(root / name), r, alpha, targets, seed=i)
+                for i, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items())}
+    return str(root / "base"), adapters
+
+
+def _llm(base_dir: str, adapters: dict[str, str], eager: bool) -> LLM:
+    # two slots for three adapters: the second call's new adapter evicts one the first call used
+    return LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=8, max_loras=2,
+               max_lora_rank=16, lora_modules=adapters, enforce_eager=eager)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], loras: list[str | None]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_name=loras)]
+
+
+def test_adapter_decode_steps_replay_graphs_and_equal_eager(base_and_adapters):
+    base_dir, adapters = base_and_adapters
+    graphed, eager = _llm(base_dir, adapters, eager=False), _llm(base_dir, adapters, eager=True)
+    runner = graphed.engine.runner
+    assert runner.lora_graphs is not None and runner.graphs is not None
+    assert eager.engine.runner.lora_graphs is None
+    shared = _prompts(1, (29,))[0]
+    calls = [  # (prompts, adapters): each call's prompts are prefilled in one step, then decode together
+        ([shared, shared, *_prompts(2, (5, 40, 17))], [None, "qv-r8", "all-r16", "qv-r8", None]),
+        ([shared, shared, *_prompts(3, (12, 3, 33))], ["mlp-r4", None, "all-r16", "mlp-r4", "all-r16"]),
+        ([shared], ["qv-r8"]),  # batch-1 decode: the one-row graphs, with qv-r8 loaded into a slot again
+        ([shared, *_prompts(4, (9,))], [None, None]),  # base-only steps keep the graphs without adapters
+    ]
+    pool = graphed.engine.lora.pool
+    for prompts, loras in calls:
+        lora_replays, base_replays = runner.lora_graphs.num_replays, runner.graphs.num_replays
+        got = _tokens(graphed, prompts, loras)
+        assert got == _tokens(eager, prompts, loras), loras
+        if any(loras):
+            assert runner.lora_graphs.num_replays - lora_replays >= MAX_TOKENS - 1  # every decode step
+            assert runner.graphs.num_replays == base_replays
+        else:
+            assert runner.lora_graphs.num_replays == lora_replays
+            assert runner.graphs.num_replays - base_replays >= MAX_TOKENS - 1
+        if loras[:2] == [None, "qv-r8"] or loras[:2] == ["mlp-r4", None]:
+            assert got[0] != got[1]  # the adapter changes the tokens of the shared prompt
+    # mlp-r4 went into the slot qv-r8 had, then qv-r8 into the one all-r16 had
+    assert pool.num_loads == 4
+    assert graphed.engine.kv.num_used_blocks == 0
+
+
+def test_adapter_re_added_under_its_name_is_seen_by_the_graphs(base_and_adapters):
+    """Replacing an adapter's weights (add_lora with the same name) loads them into a slot the captured graphs read."""
+    base_dir, adapters = base_and_adapters
+    graphed, eager = _llm(base_dir, adapters, eager=False), _llm(base_dir, adapters, eager=True)
+    prompts = [_prompts(1, (29,))[0], _prompts(5, (6,))[0]]
+    before = _tokens(graphed, prompts, ["qv-r8", "mlp-r4"])
+    assert before == _tokens(eager, prompts, ["qv-r8", "mlp-r4"])
+    for llm in (graphed, eager):
+        llm.add_lora("qv-r8", adapters["all-r16"])
+    replays = graphed.engine.runner.lora_graphs.num_replays
+    after = _tokens(graphed, prompts, ["qv-r8", "mlp-r4"])
+    assert graphed.engine.runner.lora_graphs.num_replays - replays >= MAX_TOKENS - 1
+    assert after == _tokens(eager, prompts, ["qv-r8", "mlp-r4"])
+    assert after[0] != before[0] and after[1] == before[1]
+    assert after[0] == _tokens(graphed, prompts, ["all-r16", "mlp-r4"])[0]
