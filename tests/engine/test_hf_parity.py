@@ -33,12 +33,15 @@ def run_and_capture_logits(engine: LLMEngine, prompts: dict[str, list[int]], max
         return logits, seqs
 
     engine.runner.forward_logits = spy
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+    finally:  # a second run on the same engine spies afresh
+        engine.runner.forward_logits = original
     return outputs, captured
 
 
