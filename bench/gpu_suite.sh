@@ -55,6 +55,9 @@ step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --d
   --json "$RESULTS/engine_start_8b.json"
 # sleep / wake and loading from disk (issue 36): read rates cold and warm, wakes from both levels, a fresh process
 step wake_8b 240 "$PY" -m bench.wake --model random:llama-8b --device cuda --repeats 3 --json "$RESULTS/wake_8b.json"
+# two 8B engines taking turns on one GPU: each switch to the other's first token (issue 36)
+step switch_8b 100 "$PY" -m bench.model_switch --model random:llama-8b --device cuda --switches 6 \
+  --json "$RESULTS/switch_8b.json"
 step overlap_8b 60 "$PY" -m bench.overlap_profile --model random:llama-8b --device cuda --json "$RESULTS/overlap_8b.json"
 step quantization_8b 130 "$PY" -m bench.quantization_speed --model random:llama-8b --device cuda --output-len 128 \
   --json "$RESULTS/quantization_8b.json"
