@@ -146,6 +146,17 @@ class _AdmissionSql:
         self.window = select(w.requests, w.tokens).where(w.api_key_id == bindparam("key"),
                                                          w.minute == bindparam("minute"))
         self.hold = dialect_insert(db, Reservation)
+        r = Reservation.__table__.c
+        self.take_holds = delete(Reservation).where(r.request_id.in_(bindparam("ids", expanding=True))).returning(
+            r.request_id, r.owner, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.scoped_usd,
+            r.scoped_holds, r.minute, r.tokens, r.model, r.endpoint, r.created_at)
+        add = dialect_insert(db, SpendCounter)
+        self.add_to_counters = add.on_conflict_do_update(index_elements=["scope", "scope_id", "period"], set_={
+            "spent_usd": SpendCounter.spent_usd + add.excluded.spent_usd,
+            "reserved_usd": SpendCounter.reserved_usd + add.excluded.reserved_usd})
+        add = dialect_insert(db, RateWindow)
+        self.add_to_windows = add.on_conflict_do_update(index_elements=["api_key_id", "minute"],
+                                                        set_={"tokens": RateWindow.tokens + add.excluded.tokens})
 
 
 @functools.lru_cache(maxsize=8)
@@ -293,10 +304,7 @@ def settle_in(conn: Connection, db: Engine, request_ids: list[str], changes: Cou
 def _take_rows(conn: Connection, request_ids: list[str]) -> list[Any]:
     if not request_ids:
         return []
-    r = Reservation.__table__.c
-    return list(conn.execute(delete(Reservation).where(r.request_id.in_(request_ids)).returning(
-        r.request_id, r.owner, r.tenant_id, r.api_key_id, r.period, r.tenant_usd, r.key_usd, r.scoped_usd, r.scoped_holds,
-        r.minute, r.tokens, r.model, r.endpoint, r.created_at)))
+    return list(conn.execute(_sql(conn.engine).take_holds, {"ids": request_ids}))
 
 
 def _add_releases(rows: list[Any], changes: CounterChanges, sign: int = -1) -> None:
@@ -316,19 +324,13 @@ def apply_in(conn: Connection, db: Engine, changes: CounterChanges) -> None:
     """Adds `changes` to the counters, creating missing ones, each counter once and in the one lock order."""
     counters = sorted(set(changes.spent) | set(changes.reserved))
     if counters:
-        up = dialect_insert(db, SpendCounter)
-        up = up.on_conflict_do_update(index_elements=["scope", "scope_id", "period"], set_={
-            "spent_usd": SpendCounter.spent_usd + up.excluded.spent_usd,
-            "reserved_usd": SpendCounter.reserved_usd + up.excluded.reserved_usd})
-        conn.execute(up, [{"scope": s, "scope_id": i, "period": p, "spent_usd": changes.spent.get((s, i, p), 0),
-                           "reserved_usd": changes.reserved.get((s, i, p), 0)} for s, i, p in counters])
+        conn.execute(_sql(db).add_to_counters, [
+            {"scope": s, "scope_id": i, "period": p, "spent_usd": changes.spent.get((s, i, p), 0),
+             "reserved_usd": changes.reserved.get((s, i, p), 0)} for s, i, p in counters])
     windows = sorted(k for k, n in changes.tokens.items() if n)
     if windows:
-        up = dialect_insert(db, RateWindow)
-        up = up.on_conflict_do_update(index_elements=["api_key_id", "minute"],
-                                      set_={"tokens": RateWindow.tokens + up.excluded.tokens})
-        conn.execute(up, [{"api_key_id": k, "minute": m, "requests": 0, "tokens": changes.tokens[(k, m)]}
-                          for k, m in windows])
+        conn.execute(_sql(db).add_to_windows, [{"api_key_id": k, "minute": m, "requests": 0,
+                                                "tokens": changes.tokens[(k, m)]} for k, m in windows])
 
 
 def sweep_orphans(db: Engine, now: float | None = None) -> int:
