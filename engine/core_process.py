@@ -52,7 +52,13 @@ class ProcessCore:
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
         self._send(config)
-        tokenizer = load_tokenizer(config.model, config.tokenizer)  # while the child loads the weights
+        try:
+            tokenizer = load_tokenizer(config.model, config.tokenizer)  # while the child loads the weights
+        except BaseException:
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+            raise
         kind, payload = self._recv_start(start_timeout_s)
         if kind == "failed":
             self._process.wait(10)

@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -31,16 +31,38 @@ _QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 class LoadedModel:
     """A model's config, its weights (an iterator that reads them as it goes) and its tokenizer, which may still
-    be loading in a thread while the weights are read: reading `tokenizer` waits for it."""
+    be loading in a thread while the weights are read: reading `tokenizer` waits for it.
+
+    A load that fails leaves no thread behind: weights that fail to read wait for the tokenizer thread before
+    the error propagates, and so does leaving a `with` block on any error (a caller's own failure while it
+    builds the model)."""
 
     def __init__(self, config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]],
                  tokenizer: Tokenizer | None | Future, source: str,
                  quantization: CheckpointQuantization | None = None) -> None:
         self.config = config
-        self.weights = weights
+        self.weights = self._settling_on_error(weights)
         self._tokenizer = tokenizer
         self.source = source
         self.quantization = quantization  # an AWQ / GPTQ checkpoint's own
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """Waits until the tokenizer thread is done (its result or error stays for `tokenizer` to give)."""
+        _settle(self._tokenizer)
+
+    def _settling_on_error(self, weights: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from weights
+        except Exception:
+            self.settle()
+            raise
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -83,17 +105,26 @@ def load_model(source: str, device: torch.device | str, dtype: torch.dtype,
     if load_tokenizer:
         tokenizer = _TOKENIZER_THREAD.submit(_tokenizer, resolved, tokenizer_path, tokenizer_source)
     quantization = None
-    if resolved.startswith(_RANDOM_PREFIX):
-        config = random_model_config(resolved[len(_RANDOM_PREFIX):])
-        weights = random_weights(config, device, dtype)
-    elif os.path.isdir(resolved):
-        config, weights, quantization = _load_directory(resolved, device, dtype)
-    else:
-        from engine.gguf_loader import load_gguf
+    try:
+        if resolved.startswith(_RANDOM_PREFIX):
+            config = random_model_config(resolved[len(_RANDOM_PREFIX):])
+            weights = random_weights(config, device, dtype)
+        elif os.path.isdir(resolved):
+            config, weights, quantization = _load_directory(resolved, device, dtype)
+        else:
+            from engine.gguf_loader import load_gguf
 
-        config, weights = load_gguf(resolved, device, dtype)
+            config, weights = load_gguf(resolved, device, dtype)
+    except BaseException:
+        _settle(tokenizer)
+        raise
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=resolved,
                        quantization=quantization)
+
+
+def _settle(tokenizer: Tokenizer | None | Future) -> None:
+    if isinstance(tokenizer, Future):
+        wait([tokenizer])
 
 
 def load_tokenizer(source: str, tokenizer_source: str | None = None) -> Tokenizer | None:

@@ -34,12 +34,12 @@ class BuiltModel:
 def build_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                 tp: TensorParallel = SINGLE) -> BuiltModel:
     baseline_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    loaded = load_model(config.model, device, dtype, config.tokenizer)
-    model_config = loaded.config
-    max_model_len = choose_max_model_len(config, model_config)
-    model = build_network(config, loaded, max_model_len, device, dtype, tp)
-    lora = LoRAManager(config, model_config, model, device, dtype) if config.max_loras else None
-    tokenizer = loaded.tokenizer
+    with load_model(config.model, device, dtype, config.tokenizer) as loaded:
+        model_config = loaded.config
+        max_model_len = choose_max_model_len(config, model_config)
+        model = build_network(config, loaded, max_model_len, device, dtype, tp)
+        lora = LoRAManager(config, model_config, model, device, dtype) if config.max_loras else None
+        tokenizer = loaded.tokenizer
     eos = frozenset(tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids)
     eos |= frozenset(model_config.eos_token_ids)
     runner = ModelRunner(config, model_config, model, device, dtype, max_model_len, eos, tp, lora,

@@ -41,7 +41,7 @@ class DraftModelProposer:
                  dtype: torch.dtype) -> None:
         assert spec.draft_model is not None
         try:
-            loaded = load_model(spec.draft_model, device, dtype)
+            loaded = load_model(spec.draft_model, device, dtype, load_tokenizer=False)  # it uses the target's
         except ValueError as e:
             raise ValueError(f"speculative_config.draft_model: {e}") from e
         cfg = loaded.config

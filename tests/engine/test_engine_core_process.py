@@ -94,6 +94,23 @@ def test_a_model_that_cannot_load_raises_in_the_caller():
         AsyncEngine.from_config(EngineConfig(model="/nonexistent/model", engine_core="process"))
 
 
+def test_a_tokenizer_that_cannot_load_raises_in_the_caller_and_leaves_no_core(tiny_llama_dir, tmp_path,
+                                                                               monkeypatch):
+    import engine.core_process
+
+    started = []
+
+    def popen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(engine.core_process.subprocess, "Popen", popen)
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        AsyncEngine.from_config(EngineConfig(model=tiny_llama_dir, tokenizer=str(tmp_path), engine_core="process"))
+    assert len(started) == 1 and started[0].poll() is not None
+
+
 def test_a_killed_core_fails_every_stream_instead_of_hanging(tiny_llama_dir):
     engine = AsyncEngine.from_config(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, engine_core="process"))
 

@@ -1,5 +1,7 @@
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,12 +178,47 @@ def test_truncated_gguf_tensor_data_names_the_file(tmp_path):
     bad.write_bytes(data[: len(data) * 3 // 4])
     with pytest.raises(ValueError, match="broken.gguf"):
         dict(load_model(str(bad), "cpu", torch.float32).weights)
-    # another file: the tokenizer thread of the load above may still be reading broken.gguf through a memory map,
-    # and shortening a mapped file under it is a SIGBUS that kills the test process
-    header = tmp_path / "broken-header.gguf"
-    header.write_bytes(b"GGUF" + b"\xff" * 64)
-    with pytest.raises(ValueError, match="broken-header.gguf"):
-        load_model(str(header), "cpu", torch.float32)
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)  # shortens the file the failed load's tokenizer read
+    with pytest.raises(ValueError, match="broken.gguf"):
+        load_model(str(bad), "cpu", torch.float32)
+
+
+@pytest.fixture
+def slow_tokenizer(monkeypatch):
+    """The loader's tokenizer thread made slow; the event is set when it is done."""
+    import engine.loader as loader
+
+    done = threading.Event()
+
+    def load(*args):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        done.set()
+
+    monkeypatch.setattr(loader, "_tokenizer", load)
+    return done
+
+
+@pytest.mark.parametrize("damage", ["header", "tensor data"])
+def test_a_failed_load_returns_only_after_its_tokenizer_thread_is_done(tmp_path, slow_tokenizer, damage):
+    if damage == "header":
+        bad = tmp_path / "broken.gguf"
+        bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    else:
+        state = _reference_state_dict(write_tiny_random_model(tmp_path, "qwen2"))
+        _write_gguf(str(tmp_path / "good.gguf"), "qwen2", state)
+        data = (tmp_path / "good.gguf").read_bytes()
+        bad = tmp_path / "broken.gguf"
+        bad.write_bytes(data[: len(data) * 3 // 4])
+    with pytest.raises(ValueError, match="broken.gguf"):
+        dict(load_model(str(bad), "cpu", torch.float32).weights)
+    assert slow_tokenizer.is_set()
+
+
+def test_leaving_a_with_block_on_an_error_waits_for_the_tokenizer_thread(slow_tokenizer):
+    with pytest.raises(RuntimeError, match="building failed"):
+        with load_model("random:llama-tiny", "cpu", torch.float32):
+            raise RuntimeError("building failed")
+    assert slow_tokenizer.is_set()
 
 
 # ---------------------------------------------------------------- GGUF files written here
