@@ -34,6 +34,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench.calibrate_cache import calibration_splits, embeddings_for  # noqa: E402
+from bench.question_groups import question_groups  # noqa: E402
 from cache.namespace import Namespace  # noqa: E402
 from cache.pooled import ERROR_WINDOW  # noqa: E402
 
@@ -44,27 +45,15 @@ SHARES = {"repeat": 0.30, "paraphrase": 0.20, "near_miss": 0.15, "new": 0.35}
 KINDS = tuple(SHARES)
 
 
-def union_find(pairs: list[dict], duplicates_only: bool) -> dict[str, int]:
-    """Question -> group id: questions joined by duplicate labels (clusters) or by any pair (components)."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for p in pairs:
-        ra, rb = find(p["text_a"]), find(p["text_b"])
-        if (p["label"] or not duplicates_only) and ra != rb:
-            parent[ra] = rb
-    roots = {r: i for i, r in enumerate(sorted({find(q) for q in parent}))}
-    return {q: roots[find(q)] for q in parent}
+def group_ids(pairs: list[dict], duplicates_only: bool) -> dict[str, int]:
+    """Question -> its group's number, in the order of the groups' root questions."""
+    root = question_groups(pairs, duplicates_only=duplicates_only)
+    ids = {r: i for i, r in enumerate(sorted(set(root.values())))}
+    return {q: ids[r] for q, r in root.items()}
 
 
 def clusters(pairs: list[dict]) -> dict[str, int]:
-    return union_find(pairs, duplicates_only=True)
+    return group_ids(pairs, duplicates_only=True)
 
 
 class Pool:
@@ -96,7 +85,7 @@ class Pool:
 
 def stream(pairs: list[dict], n: int, rng: np.random.Generator) -> tuple[list[str], list[str], dict[str, int]]:
     """(questions, their kinds, question -> cluster) for n lookups (see the module's docstring)."""
-    cluster_of, component_of = clusters(pairs), union_find(pairs, duplicates_only=False)
+    cluster_of, component_of = clusters(pairs), group_ids(pairs, duplicates_only=False)
     in_component: dict[int, list[str]] = {}
     for q in sorted(cluster_of):
         in_component.setdefault(component_of[q], []).append(q)

@@ -27,6 +27,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench.qqp_embeddings import embed_texts  # noqa: E402
+from bench.question_groups import question_groups  # noqa: E402
 from bench.train_verifier import load_pairs, norm, split  # noqa: E402
 from cache.bounds import LEARNING_FLOOR_FACTOR, OFFERED, TABLE  # noqa: E402
 from cache.conformal import ltt_threshold  # noqa: E402
@@ -37,29 +38,11 @@ HOLDOUT_SEED = 20261202
 HOLDOUT_FRACTION = 0.5
 
 
-def components(pairs: list[dict]) -> dict[str, str]:
-    """Question (normalised) -> the root of its component in the graph of all pairs (duplicate or not)."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for p in pairs:
-        ra, rb = find(norm(p["text_a"])), find(norm(p["text_b"]))
-        if ra != rb:
-            parent[ra] = rb
-    return {q: find(q) for q in list(parent)}
-
-
 def calibration_splits() -> tuple[list[dict], list[dict], list[dict]]:
     """(calibrate, holdout, dev): calibrate and holdout are whole components of the pairs no model was trained on."""
     qqp, dev = load_pairs()
     _, calib, _ = split(qqp, dev, 0.2)
-    root = components(calib)
+    root = question_groups(calib, key=norm)
     roots = sorted(set(root.values()))
     rng = np.random.default_rng(HOLDOUT_SEED)
     held = set(np.array(roots)[rng.random(len(roots)) < HOLDOUT_FRACTION].tolist())

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from cache.features import pair_features  # noqa: E402
 from cache.verifier import DEFAULT_ARTIFACT, Verifier  # noqa: E402
 from bench.qqp_embeddings import DATA, embed_texts, qqp_sentences  # noqa: E402
+from bench.question_groups import question_groups  # noqa: E402
 
 SEED = 20241129
 
@@ -44,24 +45,12 @@ def load_pairs() -> tuple[list[dict], list[dict]]:
 def split(qqp: list[dict], dev: list[dict], calib_fraction: float) -> tuple[list[dict], list[dict], int]:
     dev_questions = {norm(p["a"]) for p in dev} | {norm(p["b"]) for p in dev}
     kept = [p for p in qqp if norm(p["text_a"]) not in dev_questions and norm(p["text_b"]) not in dev_questions]
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for p in kept:
-        ra, rb = find(norm(p["text_a"])), find(norm(p["text_b"]))
-        if ra != rb:
-            parent[ra] = rb
-    roots = sorted({find(norm(p["text_a"])) for p in kept})
+    root = question_groups(kept, key=norm)
+    roots = sorted(set(root.values()))
     rng = np.random.default_rng(SEED)
     calib_roots = set(np.array(roots)[rng.random(len(roots)) < calib_fraction].tolist())
-    train = [p for p in kept if find(norm(p["text_a"])) not in calib_roots]
-    calib = [p for p in kept if find(norm(p["text_a"])) in calib_roots]
+    train = [p for p in kept if root[norm(p["text_a"])] not in calib_roots]
+    calib = [p for p in kept if root[norm(p["text_a"])] in calib_roots]
     return train, calib, len(qqp) - len(kept)
 
 

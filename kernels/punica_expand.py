@@ -16,6 +16,7 @@ import triton.language as tl
 from kernels.lora_indices import LoRAIndices
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.punica_shrink import SplitShrunk
+from kernels.segment_grid import segment_grid
 
 
 @triton.jit
@@ -134,11 +135,10 @@ def sgmv_expand_(y: torch.Tensor, shrunk: torch.Tensor, b_stack: torch.Tensor, i
     if y.shape[0] == 0:
         return
     block_r = max(16, triton.next_power_of_2(rank))
-    block_m = max(16, min(64, triton.next_power_of_2(indices.max_seg_len)))
+    block_m, rows_grid = segment_grid(indices)
     block_n = 64
     blocks_per_slice = triton.cdiv(_widest_slice(slice_offsets_host), block_n)
-    grid = (indices.num_segments, triton.cdiv(indices.max_seg_len, block_m),
-            (len(slice_offsets_host) - 1) * blocks_per_slice)
+    grid = (*rows_grid, (len(slice_offsets_host) - 1) * blocks_per_slice)
     _sgmv_expand_kernel[grid](
         y, shrunk, b_stack, indices.seg_starts, indices.seg_slots, slice_offsets, rank, blocks_per_slice,
         y.stride(0), y.stride(1), shrunk.stride(0), shrunk.stride(1),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.lora_indices import LoRAIndices
 from kernels.pdl import launch_options, wait_for_earlier_kernels
+from kernels.segment_grid import segment_grid
 
 
 @triton.jit
@@ -109,9 +110,9 @@ def sgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices) ->
     if num_tokens == 0:
         return out
     block_r = max(16, min(64, triton.next_power_of_2(r)))
-    block_m = max(16, min(64, triton.next_power_of_2(indices.max_seg_len)))
+    block_m, rows_grid = segment_grid(indices)
     block_k = 64 if x.dtype == torch.float32 else 128
-    grid = (indices.num_segments, triton.cdiv(indices.max_seg_len, block_m), triton.cdiv(r, block_r))
+    grid = (*rows_grid, triton.cdiv(r, block_r))
     _sgmv_shrink_kernel[grid](
         x, a_stack, out, indices.seg_starts, indices.seg_slots, k, r,
         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2), out.stride(0), out.stride(1),

