@@ -4,8 +4,9 @@ transaction from its own thread, queues behind those sleeps (256 at once took a 
 for one reservation). One thread here takes every reservation and shrink that has arrived, runs them in order in one
 transaction (each reservation still checks its limits with the ones before it in the batch counted) and commits once.
 
-If the batch's transaction fails (the database is down, a constraint), each of its operations is run again alone in
-a transaction of its own, so each caller gets its own outcome, as without the writer. PostgreSQL locks rows, not the
+If the batch's transaction fails on the database (down, or locked past the busy timeout), every caller in it gets
+that error at once, as each would have alone (the limiter then fails open); if it fails on one operation (a
+constraint), each operation is run again alone in a transaction of its own, so each caller gets its own outcome. PostgreSQL locks rows, not the
 file, so concurrent admissions there run side by side and do not use this."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from billing.db import write_lock
 from billing.reservations import Admitted, Budgets, Refusal, Worst, reserve, reserve_in, shrink, shrink_in
@@ -108,6 +110,10 @@ class AdmissionWriter:
                     reserve_in(conn, self.db, op.request_id, op.owner, op.budgets, op.worst, model=op.model,
                                endpoint=op.endpoint, now=op.now) for op in reserves]
                 held = shrink_in(conn, self.db, {op.request_id: (op.cost_usd, op.tokens) for op in shrinks})
+        except OperationalError as e:  # the database is unreachable or stays locked: every caller hears it now
+            for op in batch:
+                op.done.set_exception(e)
+            return
         except Exception as e:  # noqa: BLE001 - each operation gets its own outcome below
             log.debug("admission batch of %d failed (%s): each runs alone", len(batch), type(e).__name__)
             for op in batch:

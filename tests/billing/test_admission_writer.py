@@ -108,3 +108,26 @@ def test_a_failing_batch_runs_each_operation_alone(db, budgets):
 
 def test_only_sqlite_uses_it(db):
     assert AdmissionWriter.wanted(db) == (db.dialect.name == "sqlite")
+
+
+def test_an_unreachable_database_fails_the_whole_batch_at_once(db, budgets, monkeypatch):
+    """Injected fault: the database answers every statement with an OperationalError. Each caller gets it once,
+    without the batch being tried again one operation at a time (each try would wait out the busy timeout)."""
+    import billing.admission_writer as writer_module
+    from sqlalchemy.exc import OperationalError
+
+    calls = []
+
+    def unreachable(*args, **kwargs):
+        calls.append(1)
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(writer_module, "reserve_in", unreachable)
+    monkeypatch.setattr(writer_module, "reserve", unreachable)
+    writer = AdmissionWriter(db)
+    futures = [writer.reserve(f"r{i}", "gw", budgets, Worst(COST, 10), model="m", endpoint="chat", now=NOW)
+               for i in range(5)]
+    assert all(isinstance(f.exception(30), OperationalError) for f in futures)
+    assert len(calls) <= 5  # one try each at most, in the batches they fell into: none again alone
+    assert _holds(db) == 0
+    writer.close()
