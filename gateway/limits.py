@@ -178,6 +178,10 @@ class Limiter:
                 raise insufficient_quota(f"{_who(p, scope)} has spent its monthly budget of {usd(budget)}.")
 
 
+def _exact(amount: Decimal | float | int) -> Decimal:
+    return amount if isinstance(amount, Decimal) else Decimal(str(amount))
+
+
 def _warn_unsettled() -> None:
     warn_once("limits database unreachable; finished requests hold their worst case until the ledger settles them")
 
@@ -206,10 +210,13 @@ def held_tokens(worst: Worst | None) -> str:
 def refusal_error(p: Principal, r: Refusal, worst: Worst | None = None) -> APIError:
     if r.kind == "budget":
         left = max(ZERO, r.limit - r.used - r.reserved)
-        return insufficient_quota(
+        err = insufficient_quota(
             f"{_who(p, r.scope, r.name)} has {usd(left)} left of its monthly budget of {usd(r.limit)} ({usd(r.used)} "
             f"spent, {usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} "
             f"({held_tokens(worst)} at the model's prices). Lower max_tokens, or wait for requests in flight to finish.")
+        if _exact(r.used) + _exact(r.asked) > _exact(r.limit):  # no room even with every hold settled: not retried
+            err.headers["x-should-retry"] = "false"
+        return err
     if r.kind == "rpm":
         err = rate_limited(f"Rate limit reached for requests per minute: limit {int(r.limit)}, used {int(r.used)}. "
                            f"Try again in {r.retry_after_s}s.", r.retry_after_s)

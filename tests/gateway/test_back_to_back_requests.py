@@ -68,3 +68,30 @@ def test_a_budget_under_a_cent_is_quoted_with_its_real_precision(server, shared_
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS)
     assert refused.value.code == "insufficient_quota"
     assert "has $0.000001 left of its monthly budget of $0.000001" in refused.value.message
+
+
+def test_a_budget_that_cannot_fit_the_request_is_not_retried_by_the_official_client(server, shared_db):
+    """openai's client retries a 429 twice by default; a budget that has no room even with every request in flight
+    settled says `x-should-retry: false`, so the client sends the request once and gives up."""
+    import httpx
+
+    create_tenant(shared_db, "no-retry")
+    created = create_key(shared_db, "no-retry", budget_usd=Decimal("0.000001"))
+    sent = []
+    http_client = httpx.Client(event_hooks={"request": [sent.append]})
+    client = OpenAI(base_url=server.url + "/v1", api_key=created.key, http_client=http_client)  # default retries
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS)
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert len(sent) == 1
+
+
+def test_a_budget_refusal_that_a_finishing_request_may_lift_leaves_retrying_to_the_client():
+    from billing.reservations import Refusal
+    from gateway.limits import refusal_error
+
+    principal = type("P", (), {"tenant": "t"})()
+    held = Refusal("budget", "key", Decimal("1"), Decimal("0.5"), Decimal("0.4"), Decimal("0.2"), 0)
+    spent = Refusal("budget", "key", Decimal("1"), Decimal("0.9"), Decimal("0"), Decimal("0.2"), 0)
+    assert "x-should-retry" not in refusal_error(principal, held).headers  # fits once the $0.4 held settles
+    assert refusal_error(principal, spent).headers["x-should-retry"] == "false"
