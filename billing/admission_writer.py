@@ -6,8 +6,8 @@ transaction (each reservation still checks its limits with the ones before it in
 
 If the batch's transaction fails on the database (down, or locked past the busy timeout), every caller in it gets
 that error at once, as each would have alone (the limiter then fails open); if it fails on one operation (a
-constraint), each operation is run again alone in a transaction of its own, so each caller gets its own outcome. PostgreSQL locks rows, not the
-file, so concurrent admissions there run side by side and do not use this."""
+constraint), each operation is run again alone in a transaction of its own, so each caller gets its own outcome.
+PostgreSQL locks rows, not the file, so concurrent admissions there run side by side and do not use this."""
 
 from __future__ import annotations
 
