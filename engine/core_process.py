@@ -426,6 +426,8 @@ def serve(conns: list[Connection]) -> None:
                             if error is not None:
                                 refusals.append((payload.request_id, _picklable(error)))
                         elif kind == "abort":
+                            if fronts.owner.get(payload) is not conn:
+                                continue  # finished, or another front's request of that id
                             out = loop.abort(payload)
                             if out is not None:
                                 aborted.append(out)
