@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -467,6 +468,8 @@ def serve(conns: list[Connection]) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the server drains its streams first, then ends the core
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve([Connection(int(fd)) for fd in sys.argv[1:]])
 
 

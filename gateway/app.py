@@ -44,9 +44,11 @@ LOCAL_BACKENDS = (LocalEngineBackend, LocalEmbeddingBackend)  # models that run 
 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
-               own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False) -> FastAPI:
+               own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False,
+               record_intervals: bool = True) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
-    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained.
+    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained; with
+    `record_intervals` (one of several API processes over the same engines: only one) they write replica intervals.
     `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request).
     `freeze_after_start`: for a server process (not tests that build many apps in one): gc.freeze() once started."""
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
@@ -68,7 +70,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
         recorders: list[IntervalRecorder] = []
         if own_backends:
             await _start_local_models(backends)
-            recorders = _record_intervals(db, backends, settings.interval_flush_s)
+            if record_intervals:
+                recorders = _record_intervals(db, backends, settings.interval_flush_s)
         await _serve_recorded_adapters(gw, db, backends)
         # what startup built (tokenizers, the app, the models' Python objects) lives as long as the process: frozen,
         # the collector's full passes under load walk only what requests allocate

@@ -91,6 +91,9 @@ _DECLARED = [
              "URL that gets a JSON POST when a tenant, key, end-user or tag budget reaches its soft limit (--alert-at); "
              "unset: logged only",
              "gateway"),
+    Variable("TOLLGATE_API_SERVERS", int, 1,
+             "`serve --local`: gateway processes on the port in front of one engine core per model (vLLM's "
+             "--api-server-count); more than one needs the semantic cache off", "gateway"),
     Variable("TOLLGATE_DRAIN_S", float, 30.0,
              "on SIGTERM or Ctrl-C: how long in-flight requests may run on before the gateway exits", "gateway"),
     # ---- the semantic cache ---------------------------------------------------------------------
