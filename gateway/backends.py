@@ -195,6 +195,11 @@ class LocalEngineBackend:
         self._adapters.pop(name, None)
         return await self._engine.remove_lora(name) if self._engine is not None else False
 
+    def know_adapters(self, recorded: dict[str, str]) -> None:
+        """The run-time adapters (name -> source) that another front of the same engine core added there: served
+        without loading them again (the spec's own stay)."""
+        self._adapters = {**recorded, **dict(self._fields.get("lora_modules") or {})}
+
     def adapters(self) -> dict[str, str]:
         """The adapters served now: name -> source."""
         return dict(self._adapters)

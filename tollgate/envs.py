@@ -114,8 +114,9 @@ _DECLARED = [
     Variable("TOLLGATE_RETRY_AFTER_S", int, 10, "the Retry-After of a 503 from a model that is starting", "platform"),
     Variable("TOLLGATE_INTERVAL_FLUSH_S", float, 60.0, "how often replicas write their alive/busy interval rows",
              "platform"),
-    Variable("TOLLGATE_REGISTRY_REFRESH_S", float, 1.0, "how often gateways look for deployed or deleted models",
-             "platform"),
+    Variable("TOLLGATE_REGISTRY_REFRESH_S", float, 1.0,
+             "how often gateways look for deployed or deleted models (and the processes of `serve --local "
+             "--api-servers N` for adapters another one added or removed)", "platform"),
     # ---- the engine and kernels -----------------------------------------------------------------
     Variable("TOLLGATE_KERNELS", str, "auto",
              "reference: run the PyTorch reference ops even where the Triton kernels could run (debugging)", "engine",

@@ -195,7 +195,7 @@ def run_worker() -> None:
             backends[s.name] = LocalEngineBackend(s, core_connection=conn)
     db = open_database(settings.db_url)
     app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True,
-                     record_intervals=part["index"] == 0)
+                     record_intervals=part["index"] == 0, follow_adapters_s=settings.registry_refresh_s)
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
     server = DrainingServer(config, app.state.in_flight, settings.drain_s)
     sock = socket.socket(fileno=part["listen_fd"])
