@@ -196,8 +196,11 @@ class GatewayTarget:
             jobs[i % client_procs].append((i, offsets[i], _body(req, salt, vocab_size), req.output_len))
         per_proc = None if not max_concurrency else max(1, max_concurrency // client_procs)
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(client_procs) as pool:
-            pool.map(_ready, range(client_procs))  # started before the clock does
+        with ctx.Manager() as manager, ctx.Pool(client_procs) as pool:
+            # every client process started (each holds one place at the barrier) before the clock does: a process
+            # still starting would send its first requests late and stretch the run
+            barrier = manager.Barrier(client_procs)
+            pool.map(_ready, [barrier] * client_procs, chunksize=1)
             start_wall = time.time() + 0.5
             pending = [pool.apply_async(_client_process, (self.url, self.key, job, start_wall, per_proc))
                        for job in jobs]
@@ -243,9 +246,10 @@ def _body(req: ServeRequest, salt: int, vocab_size: int) -> dict[str, Any]:
     return {**common, "prompt": salted(req.prompt_ids, salt, vocab_size)}
 
 
-def _ready(_: int) -> bool:
+def _ready(barrier: Any) -> bool:
     import aiohttp  # noqa: F401 - imported before the clock starts
 
+    barrier.wait(120)
     return True
 
 
