@@ -33,6 +33,10 @@ class DeferredTokens:
     def num_rows(self) -> int:
         return len(self.seqs)
 
+    def ready(self) -> bool:
+        """Whether the host has the tokens: reading them now would not wait."""
+        return self._ready is None or self._ready.query()
+
     def tolist(self) -> list[int]:
         if self._ready is not None:
             self._ready.synchronize()

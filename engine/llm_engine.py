@@ -232,16 +232,27 @@ class LLMEngine:
         return deltas
 
     def _advance(self) -> DeferredTokens | None:
-        """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
+        """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step.
+
+        With async scheduling the tokens in flight are the previous step's, and this step's structured-output masks
+        follow them: their fill (engine/token_mask.py) begins as soon as they are on the host (checked at the end of
+        the previous step and after scheduling; at the latest once this step's forward pass is launched), so it
+        runs beside the forward pass and the processing of those tokens, and the sampler waits for it last."""
         if self.sleep_mode.level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
-        batch = self._schedule()
         previous = self.in_flight
+        batch = self._schedule()
+        self._start_masks(previous, wait=False)
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
+            self._start_masks(previous, wait=True)
             self._add_tokens(previous.read())
         return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
+
+    def _start_masks(self, tokens: DeferredTokens | None, wait: bool) -> None:
+        if tokens is not None and self.grammars.num_live:
+            self.runner.start_masks(tokens, wait)
 
     def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
@@ -312,6 +323,7 @@ class LLMEngine:
         if deferred is not None:
             deferred.mark_pending()
             self.in_flight = deferred
+            self._start_masks(deferred, wait=False)  # the next step's masks, if its tokens are here already
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
 

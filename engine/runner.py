@@ -230,12 +230,16 @@ class ModelRunner:
             logits = self._constrained(step.logits, step.seqs)
             tokens = self.sampler.token_tensor(logits, self._sampling_rows(step.seqs),
                                                self.token_masker.for_step(step.seqs))
-            deferred = DeferredTokens(tokens, step.seqs)
-            self.token_masker.start_ahead(deferred)  # the next step's masks, in a worker, once these reach the host
-            return deferred
+            return DeferredTokens(tokens, step.seqs)
         if step.path is TokenPath.SPECULATIVE:
             return self._verify_drafts(step.logits, step.seqs)
         return self._sample(step.logits, step.seqs)
+
+    def start_masks(self, tokens: DeferredTokens, wait: bool = True) -> None:
+        """Begins the next step's structured-output masks from these tokens (async scheduling; engine/token_mask.py):
+        with `wait` once they reach the host, else only if they are there already. The engine calls it after the
+        tokens are marked pending and before it reads them."""
+        self.token_masker.start_fill(tokens, wait)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch, previous: DeferredTokens | None = None

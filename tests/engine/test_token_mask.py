@@ -83,8 +83,8 @@ def test_masks_filled_in_parallel_equal_each_matchers_own(grammars: GrammarCompi
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_masks_filled_ahead_by_the_worker_equal_each_matchers_own(grammars: GrammarCompiler, threads: int) -> None:
-    """As with async scheduling: the step's tokens go to the worker, which consumes them and fills the next
-    step's masks; a sequence that leaves the batch makes the next step assemble its rows."""
+    """As with async scheduling: once the step's tokens are on the host each matcher consumes its token and the
+    worker fills the next step's masks; a sequence that leaves the batch makes the next step assemble its rows."""
     rng = random.Random(10 + threads)
     seqs = new_sequences(grammars)
     masker = TokenMasker(torch.device("cpu"), threads=threads)
@@ -97,8 +97,8 @@ def test_masks_filled_ahead_by_the_worker_equal_each_matchers_own(grammars: Gram
             break
         mask = masker.for_step(live)
         tokens = DeferredTokens(torch.tensor(random_step(live, mask.words, mask.rows, rng)), live)
-        masker.start_ahead(tokens)
         tokens.mark_pending()
+        masker.start_fill(tokens)
         for sampled in tokens.read():
             sampled.seq.token_ids.append(sampled.token_id)
     masker.wait()
