@@ -9,11 +9,15 @@ random:llama-1b has no tokenizer of its own, and structured outputs need one: Sm
 the model's 128,256 rows; `--export-tokenizer` saves it as a small folder to carry). Every request decodes exactly
 --output-len tokens (ignore_eos for the free ones; the schema's documents are longer than that, so the constrained
 ones end for length too). The steps timed are the decode steps once every request has its first token; tpot_ms is
-their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (waiting for the mask worker
-included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
-while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in llguidance's calls
-on either thread (taking the GIL back after each included). --lexers 1 puts every sequence of the schema on one
-lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
+their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (what the masks add to a step),
+of it mask_wait_ms_per_step blocked waiting for the worker's masks right before the sampler applies them and
+mask_start_ms_per_step starting the fill (each matcher consuming its token, the fill handed to the worker once the
+tokens are on the host); mask_worker_ms_per_step is the worker thread's, which fills a step's masks while the engine
+thread launches the forward pass and processes the tokens before (engine/token_mask.py), mask_native_ms_per_step the
+time in llguidance's calls on either thread (taking the GIL back after each included), mask_fills_early the share
+of fills begun before the engine thread had to wait for the tokens (at the end of the step before, or after
+scheduling). --lexers 1 puts every sequence of the schema on one lexer, whose lock fills their masks one at a time
+(the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
 each is reported, and `ratio` is constrained / unconstrained."""
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ SCHEMA: dict[str, Any] = {
         "required": ["id", "name", "kind", "score", "active"], "additionalProperties": False}}},
     "required": ["records"], "additionalProperties": False,
 }
+
+
+# TokenMasker's totals in seconds -> the figures reported, in ms per step with masks; and its counts
+PER_STEP = {"seconds": "mask_ms_per_step", "wait_seconds": "mask_wait_ms_per_step",
+            "start_seconds": "mask_start_ms_per_step", "ahead_seconds": "mask_worker_ms_per_step",
+            "native_seconds": "mask_native_ms_per_step"}
+COUNTS = ("steps", "fills", "early_fills")
+MASK_FIELDS = [*PER_STEP.values(), "mask_fills_early"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,8 +99,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    mask_seconds, ahead_seconds, native_seconds, mask_steps = (masker.seconds, masker.ahead_seconds,
-                                                               masker.native_seconds, masker.steps)
+    before = {name: getattr(masker, name) for name in (*PER_STEP, *COUNTS)}
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -96,11 +107,13 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     synchronize(llm.engine.device)
     elapsed = time.perf_counter() - start
     masker.wait()
-    masked = masker.steps - mask_steps
-    return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
-            "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
-            "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
-            "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0}
+    delta = {name: getattr(masker, name) - value for name, value in before.items()}
+    masked = delta["steps"]
+    out = {"tpot_ms": elapsed / steps * 1e3, "steps": steps}
+    for name, field in PER_STEP.items():
+        out[field] = delta[name] / masked * 1e3 if masked else 0.0
+    out["mask_fills_early"] = delta["early_fills"] / delta["fills"] if delta["fills"] else 0.0
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -149,9 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tpot_ms_unconstrained": best["unconstrained"]["tpot_ms"],
         "tpot_ms_constrained": best["constrained"]["tpot_ms"],
         "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
-        "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
-        "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
-        "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
+        **{field: best["constrained"][field] for field in MASK_FIELDS},
         "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }
