@@ -7,16 +7,16 @@ pinned buffer, copied to the logits' device at once; the sampler then bans the m
 only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
 parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
-With async scheduling the work starts a step early, on the GIL's terms. Once a step's tokens are on the host
-(start_fill: LLMEngine calls it as soon as they are, and at the latest right after it has launched the next step's
-forward pass), the engine thread has each constrained sequence's matcher consume its new token and hands the fill of
-the next step's masks to a worker thread, waiting only until the worker is inside llguidance's fill, which runs
-without the GIL. The engine thread then processes the tokens and samples; the sampler waits for the masks right
-before it applies them (for_step). A worker that had to take the GIL from the engine thread to begin, or to go on
-between two llguidance calls, waited until the engine thread blocked, which it did only to wait for the masks (a
-thread taking a held GIL restarts its wait each time the holder lets go of it briefly, as every torch call does):
-the fill then ran after the engine thread's work instead of beside it and the forward pass. Now the worker needs the
-GIL only to return, when the engine thread is waiting for it anyway.
+With async scheduling the work starts a step early. Once a step's tokens are on the host (start_fill: LLMEngine
+offers them at the end of the step that sampled them and again after scheduling the next, and waits for them once
+it has launched the next step's forward pass), the engine thread has each constrained sequence's matcher consume its
+token and hands the fill of the next step's masks to a worker thread, going on only once the worker is inside
+llguidance's fill, which runs without the GIL. The engine thread then processes those tokens, and the sampler waits
+for the masks right before it applies them (for_step): the fill runs beside the forward pass and the engine thread's
+work. The handover is there because a worker left to take the GIL itself, to begin or between two llguidance
+calls, gets it only when the engine thread's Python lets go of it long enough (a thread waiting for a held GIL
+restarts its wait each time the holder lets go of it briefly, as torch calls do); now it needs the GIL only to
+return, and the engine thread lets go of it then, to wait for the masks.
 
 The next step takes the rows whose matcher is still exactly where the fill left it and fills any others itself; when
 all of them are, in the same order, the worker's buffer is copied to the device as it is. Only one thread touches
@@ -79,7 +79,7 @@ class TokenMasker:
         self.threads = threads or mask_threads()
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
-        self._ahead: Future[_Ahead | None] | None = None
+        self._ahead: Future[_Ahead] | None = None
         self._started: weakref.ref[DeferredTokens] | None = None  # the tokens whose next masks start_fill began
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
         self._rows: torch.Tensor | None = None
@@ -199,7 +199,8 @@ class TokenMasker:
         self._ahead = self._worker.submit(self._fill_ahead, ahead, filling)
         filling.wait()  # the GIL is the worker's until llguidance's fill lets go of it
         self.fills += 1
-        self.early_fills += not wait
+        if not wait:
+            self.early_fills += 1
         elapsed = time.perf_counter() - started
         self.start_seconds += elapsed
         self.seconds += elapsed
@@ -225,8 +226,11 @@ class TokenMasker:
         """In the worker: row i of ahead.words gets the mask of grammar i. The grammars are held only while this
         runs (a job's arguments outlive its result a little)."""
         started = time.perf_counter()
-        grammars = [ref() for ref in ahead.grammars]  # alive: the engine thread waits on `filling` meanwhile
-        self._fill(ahead.words, [(g.matcher, i) for i, g in enumerate(grammars) if g is not None], filling)
+        try:
+            grammars = [ref() for ref in ahead.grammars]  # alive: the engine thread waits on `filling` meanwhile
+            self._fill(ahead.words, [(g.matcher, i) for i, g in enumerate(grammars) if g is not None], filling)
+        finally:
+            filling.set()  # set before the fill already; here for a job that fails before it
         self.ahead_seconds += time.perf_counter() - started
         return ahead
 
