@@ -12,13 +12,12 @@ ones end for length too). The steps timed are the decode steps once every reques
 their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (what the masks add to a step),
 of it mask_wait_ms_per_step blocked waiting for the worker's masks right before the sampler applies them and
 mask_start_ms_per_step starting the fill (each matcher consuming its token, the fill handed to the worker once the
-tokens are on the host); mask_worker_ms_per_step is the worker thread's, which fills a step's masks while the engine
-thread launches the forward pass and processes the tokens before (engine/token_mask.py), mask_native_ms_per_step the
-time in llguidance's calls on either thread (taking the GIL back after each included), mask_fills_early the share
-of fills begun before the engine thread had to wait for the tokens (at the end of the step before, or after
-scheduling). --lexers 1 puts every sequence of the schema on one lexer, whose lock fills their masks one at a time
-(the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
-each is reported, and `ratio` is constrained / unconstrained."""
+tokens are on the host); mask_worker_ms_per_step is the worker thread's, which fills a step's masks beside the
+forward pass while the engine thread processes the tokens before and schedules the next step (engine/token_mask.py),
+mask_native_ms_per_step the time in llguidance's calls on either thread (taking the GIL back after each included).
+--lexers 1 puts every sequence of the schema on one lexer, whose lock fills their masks one at a time (the engine
+before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of each is
+reported, and `ratio` is constrained / unconstrained."""
 
 from __future__ import annotations
 
@@ -47,12 +46,11 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-# TokenMasker's totals in seconds -> the figures reported, in ms per step with masks; and its counts
+# TokenMasker's totals in seconds -> the figures reported, in ms per step with masks
 PER_STEP = {"seconds": "mask_ms_per_step", "wait_seconds": "mask_wait_ms_per_step",
             "start_seconds": "mask_start_ms_per_step", "ahead_seconds": "mask_worker_ms_per_step",
             "native_seconds": "mask_native_ms_per_step"}
-COUNTS = ("steps", "fills", "early_fills")
-MASK_FIELDS = [*PER_STEP.values(), "mask_fills_early"]
+MASK_FIELDS = list(PER_STEP.values())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +97,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    before = {name: getattr(masker, name) for name in (*PER_STEP, *COUNTS)}
+    before = {name: getattr(masker, name) for name in (*PER_STEP, "steps")}
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -112,7 +110,6 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     out = {"tpot_ms": elapsed / steps * 1e3, "steps": steps}
     for name, field in PER_STEP.items():
         out[field] = delta[name] / masked * 1e3 if masked else 0.0
-    out["mask_fills_early"] = delta["early_fills"] / delta["fills"] if delta["fills"] else 0.0
     return out
 
 

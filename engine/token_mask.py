@@ -8,12 +8,11 @@ only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing 
 parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
 With async scheduling the work starts a step early. Once a step's tokens are on the host (start_fill: LLMEngine
-offers them at the end of the step that sampled them and again after scheduling the next, and waits for them once
-it has launched the next step's forward pass), the engine thread has each constrained sequence's matcher consume its
-token and hands the fill of the next step's masks to a worker thread, going on only once the worker is inside
-llguidance's fill, which runs without the GIL. The engine thread then processes those tokens, and the sampler waits
-for the masks right before it applies them (for_step): the fill runs beside the forward pass and the engine thread's
-work. The handover is there because a worker left to take the GIL itself, to begin or between two llguidance
+waits for them right after it has launched the next step's forward pass), the engine thread has each constrained
+sequence's matcher consume its token and hands the fill of the next step's masks to a worker thread, going on only
+once the worker is inside llguidance's fill, which runs without the GIL. The engine thread then processes those
+tokens and schedules the step after, and the sampler waits for the masks right before it applies them (for_step):
+the fill runs beside the forward pass and the engine thread's work. The handover is there because a worker left to take the GIL itself, to begin or between two llguidance
 calls, gets it only when the engine thread's Python lets go of it long enough (a thread waiting for a held GIL
 restarts its wait each time the holder lets go of it briefly, as torch calls do); now it needs the GIL only to
 return, and the engine thread lets go of it then, to wait for the masks.
@@ -87,7 +86,7 @@ class TokenMasker:
         # waiting for the worker included), of them blocked waiting for the worker's masks, and starting fills
         # (consuming the tokens, handing the fill over); worker seconds; seconds in llguidance's calls on either
         # thread (taking the GIL back after each included); steps with masks, rows, rows the worker had ready;
-        # fills handed to the worker, and of them before the engine thread had to wait for the tokens
+        # fills handed to the worker
         self.seconds = 0.0
         self.wait_seconds = 0.0
         self.start_seconds = 0.0
@@ -97,7 +96,6 @@ class TokenMasker:
         self.rows = 0
         self.rows_ahead = 0
         self.fills = 0
-        self.early_fills = 0
 
     @property
     def executor(self):
@@ -164,15 +162,13 @@ class TokenMasker:
             self._rows_key, self._rows = rows, host.to(self.device, non_blocking=True)
         return self._rows
 
-    def start_fill(self, tokens: DeferredTokens, wait: bool = True) -> None:
-        """Begins the masks of the step after the one that sampled `tokens` (async scheduling), once per tokens: if
-        the tokens are on the host (waiting for them with `wait`, else only if they are there already), each
-        constrained sequence pending on them consumes its token here, and the worker fills the masks. Returns once
-        the worker is inside llguidance's fill. Call it after tokens.mark_pending() and before tokens.read(); a
-        sequence finished or aborted since is left out, as is one whose token is its last."""
+    def start_fill(self, tokens: DeferredTokens) -> None:
+        """Begins the masks of the step after the one that sampled `tokens` (async scheduling), once per tokens: once
+        the tokens are on the host, each constrained sequence pending on them consumes its token here, and the
+        worker fills the masks. Returns once the worker is inside llguidance's fill. Call it after the sequences'
+        PENDING_TOKEN is in place and before tokens.read(); a sequence finished or aborted since is left out, as is
+        one whose token is its last."""
         if self._started is not None and self._started() is tokens:
-            return
-        if not wait and not tokens.ready():
             return
         self._started = weakref.ref(tokens)
         live = [(row, seq) for row, seq in enumerate(tokens.seqs)
@@ -199,8 +195,6 @@ class TokenMasker:
         self._ahead = self._worker.submit(self._fill_ahead, ahead, filling)
         filling.wait()  # the GIL is the worker's until llguidance's fill lets go of it
         self.fills += 1
-        if not wait:
-            self.early_fills += 1
         elapsed = time.perf_counter() - started
         self.start_seconds += elapsed
         self.seconds += elapsed

@@ -30,7 +30,7 @@ def test_constrained_and_free_batches_are_timed_and_written(tmp_path, one_thread
     assert result["ratio"] == result["tpot_ms_constrained"] / result["tpot_ms_unconstrained"]
     assert result["mask_ms_per_step"] > 0 and result["runs"]["unconstrained"][0]["mask_ms_per_step"] == 0
     # the engine thread's mask time: starting each fill (async scheduling hands it to the worker) and waiting for it
-    assert result["mask_start_ms_per_step"] > 0 and 0 <= result["mask_fills_early"] <= 1
+    assert result["mask_start_ms_per_step"] > 0
     assert result["mask_wait_ms_per_step"] + result["mask_start_ms_per_step"] <= result["mask_ms_per_step"]
     assert all(run["steps"] >= 4 for runs in result["runs"].values() for run in runs)
 

@@ -59,7 +59,7 @@ def test_placeholder_is_never_seen_and_abort_in_flight_frees_blocks(tiny_llama_d
     seen = []
     for _ in range(4):
         seen += engine.step()
-    assert engine.in_flight is not None
+    assert engine.unsampled is not None  # launched; sampled and read by the next step
     seq = engine.requests["r1"].seqs[0]
     assert seq.token_ids[-1] == PENDING_TOKEN  # launched, not read yet
     aborted = engine.abort_request("r1")
@@ -104,7 +104,7 @@ def test_a_step_that_fails_to_launch_keeps_the_tokens_in_flight(tiny_llama_dir):
         engine.add_request(str(i), prompt, params, stream=False)
     engine.step()
     engine.step()
-    assert engine.in_flight is not None
+    assert engine.unsampled is not None
     original = engine.runner.forward_logits
 
     def fail_once(*args):

@@ -105,15 +105,22 @@ def test_async_sync_and_preempted_runs_give_the_same_valid_outputs(tiny) -> None
 
 
 def record_masks(llm: LLM) -> list[list[tuple]]:
-    """Each step's masks as the sampler gets them: (sequence, its output tokens then, its mask row) per row."""
+    """Each step's masks as the sampler gets them: (sequence, its output tokens then, its mask row) per row. With
+    async scheduling a step is sampled after the next is scheduled, so the token being sampled may be in place as
+    PENDING_TOKEN already: it is left out."""
     masker, steps = llm.engine.runner.token_masker, []
     for_step = masker.for_step
 
     def recording(seqs):
         mask = for_step(seqs)
         if mask is not None:
-            steps.append([(seqs[row], list(seqs[row].output_token_ids), words.clone())
-                          for row, words in zip(mask.rows.tolist(), mask.words)])
+            rows = []
+            for row, words in zip(mask.rows.tolist(), mask.words):
+                output = seqs[row].output_token_ids
+                if output and output[-1] == PENDING_TOKEN:
+                    output = output[:-1]
+                rows.append((seqs[row], output, words.clone()))
+            steps.append(rows)
         return mask
 
     masker.for_step = recording
@@ -143,11 +150,10 @@ def test_each_step_samples_with_the_masks_of_every_token_before_it(tiny, async_s
     assert masks > 150
 
 
-def test_a_steps_mask_fill_begins_before_the_tokens_it_follows_are_processed(tiny) -> None:
-    """With async scheduling each step's masks follow the tokens of the step before, read while the step runs: the
-    fill is under way before the engine thread processes those tokens, and the step's forward pass is launched
-    before its sampler waits for the masks."""
-    llm = tiny()
+def step_events(llm: LLM) -> list[str]:
+    """What the engine thread does, in order, while it runs the mixed requests (async scheduling): schedule,
+    sample (a step with constrained rows: its masks), launch, fill (the worker begins one: it logs before the engine
+    thread is let go) and read (the tokens of the step before are processed)."""
     engine, events = llm.engine, []
     masker = engine.runner.token_masker
 
@@ -161,17 +167,34 @@ def test_a_steps_mask_fill_begins_before_the_tokens_it_follows_are_processed(tin
 
         setattr(owner, name, wrapper)
 
+    logged(engine.scheduler, "schedule", "schedule")
+    logged(masker, "for_step", "sample", lambda seqs: any(seq.grammar is not None for seq in seqs))
     logged(engine.runner, "execute", "launch")
+    logged(masker, "_fill_ahead", "fill")
     logged(engine.output_processor, "add_tokens", "read")
-    logged(masker, "_fill_ahead", "fill")  # in the worker, before the engine thread is let go
-    logged(masker, "for_step", "masks", lambda seqs: any(seq.grammar is not None for seq in seqs))
     run(llm, mixed_requests())
-    text = " ".join(events)
-    steps = [step.split() for step in text.split("masks")[1:-1]]  # what happened between two steps' masks
+    return events
+
+
+def test_a_step_is_sampled_once_the_next_is_scheduled_and_right_before_its_launch(tiny) -> None:
+    """With async scheduling a step's sampling, which waits for its masks, comes after the next step is scheduled
+    and right before that step's forward pass is launched: nothing else stands between the two on the device."""
+    events = step_events(tiny())
+    samples = [i for i, event in enumerate(events) if event == "sample"]
+    assert len(samples) > 50
+    for i in samples[:-1]:  # the last step has no step after it
+        assert events[i - 1: i + 2] == ["schedule", "sample", "launch"], events[i - 3: i + 4]
+
+
+def test_a_steps_mask_fill_begins_before_the_tokens_it_follows_are_processed(tiny) -> None:
+    """Each step's masks follow the tokens of the step before, read right after the step is launched: the fill is
+    under way before the engine thread processes those tokens, and beside the step's forward pass."""
+    events = step_events(tiny())
+    steps = [step.split() for step in " ".join(events).split("sample")[1:-1]]  # from one sampling to the next
     filled = [step for step in steps if "fill" in step]
     assert len(filled) > 0.9 * len(steps) > 50
     for step in filled:
-        assert step.index("fill") < step.index("read") and "launch" in step, step
+        assert step.index("launch") < step.index("fill") < step.index("read"), step
 
 
 def test_sequences_spread_over_several_lexers_write_the_same_documents(tiny) -> None:

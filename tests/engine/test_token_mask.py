@@ -157,30 +157,19 @@ def test_the_worker_is_inside_the_fill_when_start_fill_returns(grammars: Grammar
     assert masker.rows_ahead == 2 * len(seqs) and masker.fills == 2
 
 
-def test_a_fill_begins_once_per_step_from_tokens_on_the_host(grammars: GrammarCompiler) -> None:
-    """Without `wait` nothing begins until the tokens have reached the host; a step's tokens begin one fill however
-    often they are offered; a sequence whose token is its last gets no mask."""
-
-    class InFlight(DeferredTokens):
-        arrived = False
-
-        def ready(self) -> bool:
-            return self.arrived
-
+def test_a_fill_begins_once_per_step_and_skips_a_sequence_whose_token_is_its_last(grammars: GrammarCompiler) -> None:
+    """A step's tokens begin one fill however often they are offered; a sequence whose pending token is its last
+    (it stops for length once read) consumes nothing and gets no mask."""
     seqs = new_sequences(grammars)
     masker = TokenMasker(torch.device("cpu"), threads=2)
-    tokens = pending_step(seqs, masker, random.Random(7), InFlight)
+    tokens = pending_step(seqs, masker, random.Random(7))
     last = seqs[0]
     last.max_num_tokens = last.num_tokens  # its pending token is its last
     consumed = [seq.grammar.num_consumed for seq in seqs]
-    masker.start_fill(tokens, wait=False)
-    assert masker.fills == 0 and [seq.grammar.num_consumed for seq in seqs] == consumed
-    tokens.arrived = True
-    masker.start_fill(tokens, wait=False)
     masker.start_fill(tokens)
-    assert (masker.fills, masker.early_fills) == (1, 1)
+    masker.start_fill(tokens)
+    assert masker.fills == 1
     assert [seq.grammar.num_consumed for seq in seqs] == [consumed[0]] + [n + 1 for n in consumed[1:]]
-    masker.wait()
     read(tokens)
     pending_step(seqs[1:], masker, random.Random(8))
     assert masker.rows_ahead == len(seqs) - 1
