@@ -17,13 +17,20 @@ forward pass while the engine thread processes the tokens before and schedules t
 mask_native_ms_per_step the time in llguidance's calls on either thread (taking the GIL back after each included).
 --lexers 1 puts every sequence of the schema on one lexer, whose lock fills their masks one at a time (the engine
 before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of each is
-reported, and `ratio` is constrained / unconstrained."""
+reported, and `ratio` is constrained / unconstrained.
+
+--device-timeline (CUDA) also records CUDA events around each step's forward pass and sampling, and gives each run
+`device_ms_per_step`: the forward pass, the sampling, and the device idle before each (idle_before_forward_ms: the
+host had not launched the forward pass yet; idle_before_sample_ms: it had not sampled yet, which includes waiting
+for the masks). Recording them costs the host a few microseconds a step: time the ratio without it."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,8 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--lexers", type=int, help="lexers a grammar spreads its sequences over (default: --mask-threads)")
     p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
+    p.add_argument("--device-timeline", action="store_true",
+                   help="CUDA events around each forward pass and sampling: where the device's step goes")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
+    if args.device_timeline and args.device != "cuda":
+        p.error("--device-timeline needs --device cuda")
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
         p.error("need --batch >= 1, --output-len >= 3, --repeats >= 1 and 0 <= --constrained-fraction <= 1")
     return args
@@ -84,7 +95,58 @@ def export_tokenizer(source: str, target: str) -> dict[str, Any]:
     return {"exported": source, "to": target, "vocab_size": tokenizer.vocab_size}
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> dict[str, float]:
+class DeviceTimeline:
+    """Events recorded on the device's stream right before and after each forward pass (ModelRunner.run_model) and
+    each sampling (Sampler.token_tensor) while recording; stop() gives the mean of each span in ms: forward_ms,
+    sample_ms, and the device's idle time before each (from the end of the other)."""
+
+    GAPS = {"forward": "idle_before_forward_ms", "sample": "idle_before_sample_ms"}
+
+    def __init__(self, runner, event: Callable[[], Any] | None = None) -> None:
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.marks: list[tuple[str, Any]] = []
+        self.recording = False
+        self._wrap(runner, "run_model", "forward")
+        self._wrap(runner.sampler, "token_tensor", "sample")
+
+    def _wrap(self, owner: Any, name: str, kind: str) -> None:
+        call = getattr(owner, name)
+
+        def recorded(*args, **kwargs):
+            if not self.recording:
+                return call(*args, **kwargs)
+            self._mark(kind)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._mark(f"{kind}_end")
+
+        setattr(owner, name, recorded)
+
+    def _mark(self, kind: str) -> None:
+        event = self.event()
+        event.record()
+        self.marks.append((kind, event))
+
+    def start(self) -> None:
+        self.marks, self.recording = [], True
+
+    def stop(self) -> dict[str, float]:
+        self.recording = False
+        if not self.marks:
+            return {}
+        self.marks[-1][1].synchronize()  # the stream's last: every event before it is done too
+        spans: dict[str, list[float]] = defaultdict(list)
+        for (kind, start), (next_kind, end) in zip(self.marks, self.marks[1:]):
+            if next_kind == f"{kind}_end":
+                spans[f"{kind}_ms"].append(start.elapsed_time(end))
+            elif kind.endswith("_end") and next_kind in self.GAPS:
+                spans[self.GAPS[next_kind]].append(start.elapsed_time(end))
+        return {name: sum(values) / len(values) for name, values in sorted(spans.items())}
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str,
+             timeline: DeviceTimeline | None = None) -> dict[str, Any]:
     """Adds the batch, steps until every request has its first token, then times the decode steps left."""
     engine, masker = llm.engine, llm.engine.runner.token_masker
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -98,6 +160,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
     before = {name: getattr(masker, name) for name in (*PER_STEP, "steps")}
+    if timeline is not None:
+        timeline.start()
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -110,6 +174,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     out = {"tpot_ms": elapsed / steps * 1e3, "steps": steps}
     for name, field in PER_STEP.items():
         out[field] = delta[name] / masked * 1e3 if masked else 0.0
+    if timeline is not None:
+        out["device_ms_per_step"] = timeline.stop()
     return out
 
 
@@ -144,11 +210,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, params in modes.items():
         run_once(llm, [p[:8] for p in work.prompts], [dataclasses.replace(p, max_tokens=3) for p in params],
                  f"warm-{name}")
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+    timeline = DeviceTimeline(llm.engine.runner) if args.device_timeline else None
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
     for r in range(args.repeats):
         for name, params in modes.items():
             runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
-                                       f"{name}-{r}"))
+                                       f"{name}-{r}", timeline))
             log(f"{name} run {r}: {runs[name][-1]}")
     best = {name: min(results, key=lambda x: x["tpot_ms"]) for name, results in runs.items()}
     result = {
@@ -160,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tpot_ms_constrained": best["constrained"]["tpot_ms"],
         "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
         **{field: best["constrained"][field] for field in MASK_FIELDS},
+        **({f"device_ms_per_step_{name}": best[name]["device_ms_per_step"] for name in modes} if timeline else {}),
         "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }

@@ -209,6 +209,8 @@ class LLMEngine:
                 drop_pending_token(seq)
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        if self.unsampled is not None and all(seq.finished for seq in self.unsampled.seqs):
+            self.unsampled = None  # nothing of it is wanted: its logits go now, not when the next request comes
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
         state.metrics.finished_time = time.monotonic()

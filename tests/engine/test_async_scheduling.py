@@ -92,6 +92,21 @@ def test_placeholder_is_never_seen_and_abort_in_flight_frees_blocks(tiny_llama_d
     assert engine.kv.num_used_blocks == 0
 
 
+def test_aborting_every_request_of_a_launched_step_lets_it_go(tiny_llama_dir):
+    engine = LLM(tiny_llama_dir).engine
+    for i, prompt in enumerate(prompts(2, seed=4)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("r0")
+    assert engine.unsampled is not None  # r1 still wants its token
+    engine.abort_request("r1")
+    assert engine.unsampled is None and not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
+    engine.add_request("next", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_no_step_is_spent_past_max_tokens(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     steps = []
