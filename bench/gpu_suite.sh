@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# The GPU suite: GPU tests and the engine/kernel benchmarks in one command of under 10 minutes.
-#   bash bench/gpu_suite.sh        # JSON results to $OUT when set, else ./bench-results/
-# Each step has its own timeout and a share of a 9.5-minute deadline; a failing step is recorded
-# and the suite goes on. A summary table comes last: one JSON per benchmark, summary.json, suite.log
-# (everything printed) and benchmarks.svg. With two GPUs it adds the tensor-parallel steps.
+# The GPU suite: GPU tests and the engine/kernel benchmarks, in three parts of under 10 minutes each (one device
+# command each; the whole no longer fits one):
+#   bash bench/gpu_suite.sh 1      # GPU tests, decode, kernels, offline throughput
+#   bash bench/gpu_suite.sh 2      # serving through the gateway (1 and 4 API processes), engine start, sleep / wake
+#   bash bench/gpu_suite.sh 3      # model switching, quantization, speculative decoding, LoRA, structured outputs
+#   bash bench/gpu_suite.sh        # all three in a row (about 25 minutes)
+# JSON results go to $OUT when set, else ./bench-results/. Each step has its own timeout and a share of the part's
+# 9.5-minute deadline; a failing step is recorded and the suite goes on. A summary table comes last: one JSON per
+# benchmark, summary.json, suite.log (everything printed) and benchmarks.svg. With two GPUs part 3 adds the
+# tensor-parallel steps.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the shared machines
 PY=${PYTHON:-python3}
 RESULTS=${OUT:-./bench-results}
 mkdir -p "$RESULTS"
-exec > >(tee "$RESULTS/suite.log") 2>&1
+PART=${1:-all}
+case "$PART" in 1|2|3) PARTS=" $PART " ;; all) PARTS=" 1 2 3 " ;; *) echo "usage: bash bench/gpu_suite.sh [1|2|3]" >&2; exit 2 ;; esac
+exec > >(tee -a "$RESULTS/suite.log") 2>&1
 DEADLINE=$((SECONDS + 570))
 NAMES=() RCS=() TIMES=() PYTEST_LINE=""
 
+part() {  # part N: the steps that follow belong to part N (each part gets its own 9.5-minute deadline)
+  IN_PART=0
+  [[ $PARTS == *" $1 "* ]] || return 0
+  IN_PART=1
+  DEADLINE=$((SECONDS + 570))
+  echo "=== part $1"
+}
+
 step() {  # step NAME CAP_SECONDS COMMAND...
+  ((IN_PART)) || return 0
   local name=$1 cap=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
   local limit=$((cap < left ? cap : left))
@@ -39,6 +55,7 @@ if ! "$PY" -c "import fastapi, sqlalchemy" 2>/dev/null && [[ -d .whl ]]; then
 fi
 
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
+part 1
 step gpu_tests 270 "$PY" -m pytest -q -m gpu tests/ --ignore=tests/billing --ignore=tests/gateway --ignore=tests/cache \
   -p no:cacheprovider
 # The GPU path's four measurements first (issue 3), then quantization, speculative decoding and tensor parallelism.
@@ -48,13 +65,20 @@ step throughput_1b 100 "$PY" -m bench.throughput --model random:llama-1b --devic
   --max-model-len 4096 --json "$RESULTS/throughput_1b.json"
 step throughput_1b_vs_hf 150 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 64 \
   "${WORKLOAD[@]}" --max-model-len 4096 --compare-hf --json "$RESULTS/throughput_1b_vs_hf.json"
-# serving: the same requests offline, through AsyncEngine and through the HTTP gateway (issue 34)
+step gemv 60 "$PY" bench/gemv.py --json "$RESULTS/gemv.json"
+part 2
+# serving: the same requests offline, through AsyncEngine and through the HTTP gateway (issue 34): one API process,
+# then four in front of the same engine core (platform serve --local --api-servers 4)
 step serve_1b 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --dataset nano --num-prompts 256 \
   --request-rate inf,0.7x --client-procs 6 --json "$RESULTS/serve_1b.json" --chart "$RESULTS/serve_1b.svg"
+step serve_1b_api4 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --dataset nano --num-prompts 256 \
+  --request-rate inf,0.7x --client-procs 6 --api-servers 4 --json "$RESULTS/serve_1b_api4.json" \
+  --chart "$RESULTS/serve_1b_api4.svg"
 step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --device cuda \
   --json "$RESULTS/engine_start_8b.json"
 # sleep / wake and loading from disk (issue 36): read rates cold and warm, wakes from both levels, a fresh process
 step wake_8b 240 "$PY" -m bench.wake --model random:llama-8b --device cuda --repeats 3 --json "$RESULTS/wake_8b.json"
+part 3
 # two 8B engines taking turns on one GPU: each switch to the other's first token (issue 36)
 step switch_8b 100 "$PY" -m bench.model_switch --model random:llama-8b --device cuda --switches 6 \
   --json "$RESULTS/switch_8b.json"
@@ -73,7 +97,7 @@ if [[ -d .bench-tokenizer ]] && "$PY" -c "import llguidance" 2>/dev/null; then
   step structured_1b 90 "$PY" -m bench.structured --model random:llama-1b --tokenizer .bench-tokenizer --device cuda \
     --batch 64 --repeats 2 --out "$RESULTS/structured_1b.json"
 fi
-if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
+if ((IN_PART)) && (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   step allreduce 40 "$PY" -m bench.allreduce_latency --json "$RESULTS/allreduce.json"
   step decode_8b_tp2 90 "$PY" -m bench.decode_latency --model random:llama-8b --device cuda --tensor-parallel-size 2 \
     --json "$RESULTS/decode_8b_tp2.json"
@@ -85,7 +109,6 @@ if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   step throughput_1b_tp2 100 "$PY" -m bench.throughput --model random:llama-1b --device cuda --num-seqs 256 \
     "${WORKLOAD[@]}" --max-model-len 4096 --tensor-parallel-size 2 --json "$RESULTS/throughput_1b_tp2.json"
 fi
-step gemv 60 "$PY" bench/gemv.py --json "$RESULTS/gemv.json"
 
 ROWS=""
 "$PY" -m bench.chart "$RESULTS" --out "$RESULTS/benchmarks.svg" || true

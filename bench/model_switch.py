@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--switches", type=int, default=6)
     p.add_argument("--pause-s", type=float, default=2.0, help="the time between two switches")
     p.add_argument("--memory-share", type=float, default=0.4, help="each engine's gpu_memory_utilization")
+    p.add_argument("--no-sleep-mode", action="store_true",
+                   help="leave EngineConfig.enable_sleep_mode off: the first sleep pins its host buffer")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = dict(device=args.device, max_model_len=1024, max_num_seqs=8)
     if args.device == "cuda":
         fields["gpu_memory_utilization"] = args.memory_share
+        fields["enable_sleep_mode"] = not args.no_sleep_mode
     else:
         fields["num_kv_blocks"] = 64
     engines = [LLM(args.model, **fields), LLM(args.model, **fields)]

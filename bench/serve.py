@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-core", choices=("auto", "thread", "process"), default="auto",
                    help="where AsyncEngine (async and http targets) runs the engine")
     p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval of the served engine")
+    p.add_argument("--api-servers", type=int, default=1,
+                   help="gateway processes in front of the engine core (`platform serve --local --api-servers N`)")
     p.add_argument("--json", type=Path)
     p.add_argument("--chart", type=Path)
     p.add_argument("--profile", type=Path, help="a directory: py-spy samples the gateway and its engine core during "
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
         "device": args.device, "dataset": args.dataset, "num_prompts": len(requests),
-        "output_tokens_asked": sum(r.output_len for r in requests), "engine": fields, "runs": [],
+        "output_tokens_asked": sum(r.output_len for r in requests), "engine": fields, "api_servers": args.api_servers, "runs": [],
         "semantic_cache": "off (token-id requests to /v1/completions; the cache answers chat only)",
     }
     warm = requests[: len(requests) if args.warmup is None else args.warmup]
@@ -175,7 +177,8 @@ def run_target(target: str, args: argparse.Namespace, fields: dict[str, Any], re
         runner = AsyncTarget(args.model, fields)
     else:
         home = Path(tempfile.mkdtemp(prefix="tollgate-bench-serve-"))
-        runner = GatewayTarget(args.model, fields, home, args.port, home / "gateway.log", args.device == "cuda")
+        runner = GatewayTarget(args.model, fields, home, args.port, home / "gateway.log", args.device == "cuda",
+                               api_servers=args.api_servers)
     every: list[RequestResult] = []
     try:
         for salt, (label, rate) in enumerate([("warmup", float("inf"))] * bool(warm) + rates, start=1):

@@ -144,7 +144,7 @@ class GatewayTarget:
     request goes through SQL admission and the ledger), in a process of its own."""
 
     def __init__(self, model: str, engine_fields: dict[str, Any], home: Path, port: int, log_path: Path,
-                 use_gpu: bool, start_timeout_s: float = 900.0) -> None:
+                 use_gpu: bool, start_timeout_s: float = 900.0, api_servers: int = 1) -> None:
         import yaml
 
         self.home, self.port = home, port
@@ -163,12 +163,15 @@ class GatewayTarget:
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--home", str(home), "serve", "--local",
-                                      "--port", str(port), "--models-dir", str(specs)], env=env,
+                                      "--port", str(port), "--models-dir", str(specs),
+                                      "--api-servers", str(api_servers)], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready(start_timeout_s)
+        self._wait_ready(start_timeout_s, api_servers)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, api_servers: int) -> None:
+        """Until `api_servers` x 4 fresh connections in a row find the model ready (each may reach any process)."""
         deadline = time.monotonic() + timeout_s
+        ready = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.flush()
@@ -176,10 +179,13 @@ class GatewayTarget:
                 raise RuntimeError(f"the gateway exited with {self.proc.returncode}; {self.log.name} ends:\n{tail}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if json.load(r)["models"].get(MODEL_NAME) == "ready":
-                        return
+                    ready = ready + 1 if json.load(r)["models"].get(MODEL_NAME) == "ready" else 0
+                if ready >= 4 * api_servers:
+                    return
+                if ready:
+                    continue
             except OSError:
-                pass
+                ready = 0
             time.sleep(0.5)
         raise RuntimeError(f"the gateway did not get ready in {timeout_s:.0f} s; see {self.log.name}")
 

@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, bindparam, delete, select
 
 from billing.admission_journal import interrupted_event
-from billing.db import dialect_insert
+from billing.db import dialect_insert, write_lock
 from billing.models import GatewayProcess, RateWindow, Reservation, SpendCounter, UsageEvent
 from billing.money import ZERO, Money
 from billing.periods import minute_of, month_of, seconds_to_next_minute
@@ -288,7 +288,7 @@ def shrink_in(conn: Connection, db: Engine, used: dict[str, tuple[Decimal, int]]
 
 def release(db: Engine, request_ids: list[str]) -> int:
     """Give back reservations whose requests were refused after admission (no usage event follows)."""
-    with db.begin() as conn:
+    with write_lock(db), db.begin() as conn:  # queued with the writers of this process
         return settle_in(conn, db, request_ids, CounterChanges())
 
 
@@ -339,7 +339,7 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
     now = time.time() if now is None else now
     cutoff = datetime.fromtimestamp(now - DEAD_AFTER_S, timezone.utc)
     r, g = Reservation.__table__.c, GatewayProcess.__table__.c
-    with db.begin() as conn:
+    with write_lock(db), db.begin() as conn:
         live = select(g.id).where(g.heartbeat_at >= cutoff)
         orphaned = [row.request_id for row in conn.execute(
             select(r.request_id).where(r.owner.not_in(live), r.created_at < cutoff))]
@@ -361,7 +361,7 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
 def heartbeat(db: Engine, owner: str, now: float | None = None) -> None:
     at = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
     stmt = dialect_insert(db, GatewayProcess).values(id=owner, heartbeat_at=at)
-    with db.begin() as conn:
+    with write_lock(db), db.begin() as conn:
         conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={"heartbeat_at": at}))
 
 

@@ -52,9 +52,22 @@ class AsyncEngine:
             return cls(LLMEngine(config))
         from engine.core_process import ProcessCore
 
+        return cls._over(lambda sink: ProcessCore(config, sink))
+
+    @classmethod
+    def attach(cls, config: EngineConfig, conn: Any) -> "AsyncEngine":
+        """A front over an engine core another process spawned (engine/core_process.py spawn_core), reached over
+        `conn`, one of its front connections; `config` is the one the core was started with. Shutting it down
+        detaches this front only."""
+        from engine.core_process import ProcessCore
+
+        return cls._over(lambda sink: ProcessCore.attach(conn, config, sink))
+
+    @classmethod
+    def _over(cls, make_core: Any) -> "AsyncEngine":
         self = cls.__new__(cls)
         self._setup()
-        self.core = ProcessCore(config, self)
+        self.core = make_core(self)
         self._longest_token = longest_token_chars(self.core.facts.tokenizer)
         return self
 

@@ -77,6 +77,10 @@ class EngineConfig:
     # for an explicit wake; either way one that waits longer than sleep_wait_timeout_s is refused (EngineAsleepError).
     wake_on_request: bool = True
     sleep_wait_timeout_s: float = 120.0
+    # An engine that will sleep (vLLM's enable_sleep_mode): on CUDA the host buffer a level-1 sleep copies the
+    # weights into is pinned as the engine starts, in a thread of its own, and kept; the first sleep then only copies
+    # (pinning 16 GB took ~10 s of the first switch between two 8B models). Costs that much host memory for good.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         """Every bad field at once: a ValueError with one `field: problem` line each."""
@@ -130,7 +134,7 @@ class EngineConfig:
         check(_is_number(self.sleep_wait_timeout_s) and self.sleep_wait_timeout_s > 0, "sleep_wait_timeout_s",
               f"must be positive, got {self.sleep_wait_timeout_s!r}")
         for switch in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "tp_greedy_on_shards",
-                       "tp_fused_norm", "int4_int8_activations", "wake_on_request"):
+                       "tp_fused_norm", "int4_int8_activations", "wake_on_request", "enable_sleep_mode"):
             value = getattr(self, switch)
             check(isinstance(value, bool), switch, f"must be true or false, got {value!r}")
         if not problems:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,22 @@ class EngineSleep:
         self._host_buffer: torch.Tensor | None = None  # a level-1 sleep's host copy, reused by the next one
         self.last_sleep_seconds = 0.0
         self.last_wake_seconds = 0.0
+        self._pinning: threading.Thread | None = None
+        if engine.config.enable_sleep_mode and engine.device.type == "cuda":
+            self._pinning = threading.Thread(target=self._pin_host_buffer, name="tollgate-sleep-pin", daemon=True)
+            self._pinning.start()
+
+    def _pin_host_buffer(self) -> None:
+        """The first level-1 sleep's host buffer, pinned ahead (config.enable_sleep_mode)."""
+        try:
+            self.check_supported()
+            nbytes = WeightOffload(self.engine.runner.model, self.engine.device).nbytes
+            started = time.perf_counter()
+            self._host_buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            log.info("sleep mode: %.1f GB of host memory pinned for the weights in %.1f s", nbytes / 1e9,
+                     time.perf_counter() - started)
+        except (ValueError, RuntimeError) as e:  # not supported here, or no host memory to pin: sleep pins later
+            log.warning("sleep mode: the weights' host buffer was not pinned ahead: %s", e)
 
     def check_supported(self) -> None:
         engine = self.engine
@@ -62,6 +79,9 @@ class EngineSleep:
         if level <= self.level:
             return
         started = time.perf_counter()
+        if self._pinning is not None:  # a sleep soon after the start waits for the rest of the pinning
+            self._pinning.join()
+            self._pinning = None
         if self.level == 0:
             self._settle()
             engine.kv.forget_cached_blocks()

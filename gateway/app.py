@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from billing.deployments import record_deployments
+from billing.model_adapters import recorded_adapters
 from billing.replica_intervals import IntervalRecorder
 from gateway import errors
 from gateway.access_log import redact_access_log
@@ -44,11 +45,15 @@ LOCAL_BACKENDS = (LocalEngineBackend, LocalEmbeddingBackend)  # models that run 
 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
-               own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False) -> FastAPI:
+               own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False,
+               record_intervals: bool = True, follow_adapters_s: float | None = None) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
-    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained.
+    with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained; with
+    `record_intervals` (one of several API processes over the same engines: only one) they write replica intervals.
     `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request).
-    `freeze_after_start`: for a server process (not tests that build many apps in one): gc.freeze() once started."""
+    `freeze_after_start`: for a server process (not tests that build many apps in one): gc.freeze() once started.
+    `follow_adapters_s`: read the adapters added or removed at run time from the database this often (several API
+    processes over the same engines: one of them changed the engine, the others learn of it here)."""
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
@@ -68,8 +73,11 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
         recorders: list[IntervalRecorder] = []
         if own_backends:
             await _start_local_models(backends)
-            recorders = _record_intervals(db, backends, settings.interval_flush_s)
+            if record_intervals:
+                recorders = _record_intervals(db, backends, settings.interval_flush_s)
         await _serve_recorded_adapters(gw, db, backends)
+        follower = asyncio.create_task(_follow_recorded_adapters(gw, db, backends, follow_adapters_s)) \
+            if follow_adapters_s else None
         # what startup built (tokenizers, the app, the models' Python objects) lives as long as the process: frozen,
         # the collector's full passes under load walk only what requests allocate
         if freeze_after_start:
@@ -78,6 +86,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
         try:
             yield
         finally:
+            if follower is not None:
+                follower.cancel()
             left = await in_flight.drain(settings.drain_s)
             if left:
                 log.warning("stopping with %d requests still in flight after %.0f s", left, settings.drain_s)
@@ -144,6 +154,25 @@ async def _serve_recorded_adapters(gw: Gateway, db: Engine, backends: dict[str, 
         if isinstance(backend, LocalEngineBackend) and backend.info().state == "ready":
             added += await load_recorded_adapters(backend, db)
     gw.models.adapters.replace(served_adapters(gw.models.specs, added), version)
+
+
+async def _follow_recorded_adapters(gw: Gateway, db: Engine, backends: dict[str, ModelBackend], every_s: float) -> None:
+    """The run-time adapters as the database has them now, every `every_s`: another API process over the same engine
+    cores added or removed them there (and in the core)."""
+    while True:
+        await asyncio.sleep(every_s)
+        version = gw.models.adapters.version
+        try:
+            records = []
+            for backend in backends.values():
+                if isinstance(backend, LocalEngineBackend) and backend.info().state == "ready":
+                    found = await asyncio.to_thread(recorded_adapters, db, backend.spec.name)
+                    backend.know_adapters({r.name: r.source for r in found})
+                    records += found
+        except Exception as e:  # the database away: the set stays as it was and is read again next time
+            log.warning("cannot read the run-time adapters: %s", type(e).__name__)
+            continue
+        gw.models.adapters.replace(served_adapters(gw.models.specs, records), version)
 
 
 def open_semantic_cache(settings: Settings) -> Any:

@@ -98,9 +98,12 @@ class BackendUnavailable(RuntimeError):
 
 
 class LocalEngineBackend:
-    def __init__(self, spec: ModelSpec, **engine_overrides: Any) -> None:
+    def __init__(self, spec: ModelSpec, *, core_connection: Any = None, **engine_overrides: Any) -> None:
+        """`core_connection`: a front connection to an engine core another process started for this spec (`serve
+        --local --api-servers N`, gateway/cli/api_servers.py); None: start the engine here."""
         self.spec = spec
         self._fields = {**engine_fields(spec), **engine_overrides}
+        self._core_connection = core_connection
         self._engine: Any = None
         self._state: BackendState = "stopped"
         self._reason: str | None = None
@@ -115,8 +118,12 @@ class LocalEngineBackend:
 
         self._state = "loading"
         try:
-            config = EngineConfig.from_kwargs(self.spec.source, **self._fields)
-            self._engine = await asyncio.to_thread(AsyncEngine.from_config, config)
+            if self._core_connection is not None:
+                config = EngineConfig.from_kwargs(self.spec.source, **{**self._fields, "engine_core": "process"})
+                self._engine = await asyncio.to_thread(AsyncEngine.attach, config, self._core_connection)
+            else:
+                config = EngineConfig.from_kwargs(self.spec.source, **self._fields)
+                self._engine = await asyncio.to_thread(AsyncEngine.from_config, config)
         except BaseException as e:
             self.mark_unavailable(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
             raise
@@ -187,6 +194,11 @@ class LocalEngineBackend:
     async def remove_adapter(self, name: str) -> bool:
         self._adapters.pop(name, None)
         return await self._engine.remove_lora(name) if self._engine is not None else False
+
+    def know_adapters(self, recorded: dict[str, str]) -> None:
+        """The run-time adapters (name -> source) that another front of the same engine core added there: served
+        without loading them again (the spec's own stay)."""
+        self._adapters = {**recorded, **dict(self._fields.get("lora_modules") or {})}
 
     def adapters(self) -> dict[str, str]:
         """The adapters served now: name -> source."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -9,6 +10,7 @@ from decimal import Decimal
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
@@ -188,6 +190,9 @@ class _Replicas(Collector):
         yield replicas
 
 
+BACKLOG_PUBLISH_S = 2.0  # with several API processes: how often each writes its ledger backlog for the others' scrapes
+
+
 class Metrics:
     def __init__(self, engine_stats: EngineStats, ledger_backlog: Callable[[], int], *,
                  gpu_memory: GpuMemory | None = nvml_memory) -> None:
@@ -218,11 +223,29 @@ class Metrics:
         self.tenant_spend = Counter("tollgate_tenant_spend_usd", "Cost charged per tenant", ["tenant"], registry=r)
         self._tenant_labels: set[str] = set()
         self._tenant_lock = threading.Lock()
-        backlog = Gauge("tollgate_ledger_backlog", "Usage events not yet written", registry=r)
-        backlog.set_function(lambda: float(ledger_backlog()))
-        r.register(_EngineStats(engine_stats))
+        # several API processes (serve --local --api-servers N) share their counts through prometheus_client's
+        # multiprocess files: /metrics from any of them shows all; the backlog is then each one's sum
+        self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self._ledger_backlog = ledger_backlog
+        self._backlog = Gauge("tollgate_ledger_backlog", "Usage events not yet written", registry=r,
+                              multiprocess_mode="livesum")
+        if self._multiprocess_dir is None:
+            self._backlog.set_function(lambda: float(ledger_backlog()))
+        else:
+            threading.Thread(target=self._publish_backlog, name="tollgate-metrics-backlog", daemon=True).start()
+        self._collectors: list[Any] = []  # read at scrape time: the same whichever process is asked
+        self._watch(_EngineStats(engine_stats))
         if gpu_memory is not None:
-            r.register(_GpuMemory(gpu_memory))
+            self._watch(_GpuMemory(gpu_memory))
+
+    def _publish_backlog(self) -> None:
+        while True:
+            self._backlog.set(float(self._ledger_backlog()))
+            time.sleep(BACKLOG_PUBLISH_S)
+
+    def _watch(self, collector: Any) -> None:
+        self.registry.register(collector)
+        self._collectors.append(collector)
 
     def cache_hit(self, model: str, saved_usd: float | Decimal = 0.0) -> None:
         self.cache_hits.labels(model).inc()
@@ -240,15 +263,15 @@ class Metrics:
 
     def watch_budgets(self, db: Engine, ttl_s: float = 15.0) -> None:
         """Export tollgate_tenant_budget_used_ratio, read from the database at scrape time (cached ttl_s)."""
-        self.registry.register(_BudgetUse(db, ttl_s))
+        self._watch(_BudgetUse(db, ttl_s))
 
     def watch_gpu_idle(self, db: Engine, ttl_s: float = 15.0, window_s: float = 3600.0) -> None:
         """Export tollgate_model_gpu_idle_ratio from the replicas' interval rows (cached ttl_s)."""
-        self.registry.register(_GpuIdleRate(db, ttl_s, window_s))
+        self._watch(_GpuIdleRate(db, ttl_s, window_s))
 
     def watch_replicas(self, source: Callable[[], dict[str, dict[str, int]]]) -> None:
         """Export tollgate_model_replicas{model, state} from `source`: model -> state -> count."""
-        self.registry.register(_Replicas(source))
+        self._watch(_Replicas(source))
 
     def _tenant_label(self, tenant: str) -> str:
         with self._tenant_lock:
@@ -260,4 +283,11 @@ class Metrics:
             return OTHER_TENANT
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self._backlog.set(float(self._ledger_backlog()))
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self._multiprocess_dir)
+        for collector in self._collectors:
+            merged.register(collector)
+        return generate_latest(merged)

@@ -327,11 +327,15 @@ class Gateway:
             yield DONE
         except EndedByShutdown:  # the drain window ran out: the stream ends with an error event, billed as sent
             status, error = "cancelled", "shutdown"
+            if include_usage:  # what it is billed for: the tokens it was sent
+                yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             yield sse(ended_by_shutdown(self.in_flight.drain_s).body())
             yield DONE
         except BackendUnavailable as e:  # its replica was lost mid-stream: the error event says to retry
             status, error = "failed", type(e).__name__
             log.warning("model %s: %s", model, e)
+            if include_usage:
+                yield sse(fmt.usage_chunk(rid, created, model, call.usage()))
             yield sse(unavailable(str(e)).body())
             yield DONE
         except Exception as e:

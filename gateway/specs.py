@@ -278,6 +278,8 @@ def check_embedding_fields(spec: ModelSpec) -> None:
 def engine_fields(spec: ModelSpec) -> dict[str, Any]:
     """The spec's engine block with its adapters: served from the start, in max_loras device slots."""
     fields = dict(spec.engine)
+    if spec.kind == "chat" and spec.autoscaling.sleep_after_s is not None:
+        fields.setdefault("enable_sleep_mode", True)  # it will sleep: its host buffer is pinned as it starts
     if spec.adapters:
         fields.setdefault("max_loras", DEFAULT_MAX_LORAS)
         fields["lora_modules"] = {**(fields.get("lora_modules") or {}), **{a.name: a.source for a in spec.adapters}}

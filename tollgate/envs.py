@@ -91,6 +91,9 @@ _DECLARED = [
              "URL that gets a JSON POST when a tenant, key, end-user or tag budget reaches its soft limit (--alert-at); "
              "unset: logged only",
              "gateway"),
+    Variable("TOLLGATE_API_SERVERS", int, 1,
+             "`serve --local`: gateway processes on the port in front of one engine core per model (vLLM's "
+             "--api-server-count); more than one needs the semantic cache off", "gateway"),
     Variable("TOLLGATE_DRAIN_S", float, 30.0,
              "on SIGTERM or Ctrl-C: how long in-flight requests may run on before the gateway exits", "gateway"),
     # ---- the semantic cache ---------------------------------------------------------------------
@@ -111,8 +114,9 @@ _DECLARED = [
     Variable("TOLLGATE_RETRY_AFTER_S", int, 10, "the Retry-After of a 503 from a model that is starting", "platform"),
     Variable("TOLLGATE_INTERVAL_FLUSH_S", float, 60.0, "how often replicas write their alive/busy interval rows",
              "platform"),
-    Variable("TOLLGATE_REGISTRY_REFRESH_S", float, 1.0, "how often gateways look for deployed or deleted models",
-             "platform"),
+    Variable("TOLLGATE_REGISTRY_REFRESH_S", float, 1.0,
+             "how often gateways look for deployed or deleted models (and the processes of `serve --local "
+             "--api-servers N` for adapters another one added or removed)", "platform"),
     # ---- the engine and kernels -----------------------------------------------------------------
     Variable("TOLLGATE_KERNELS", str, "auto",
              "reference: run the PyTorch reference ops even where the Triton kernels could run (debugging)", "engine",

@@ -31,6 +31,8 @@ def register(sub: Any) -> None:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--models-dir", type=Path, help="directory of model specs (default platform/models)")
+    serve.add_argument("--api-servers", type=int, metavar="N",
+                       help="with --local: N gateway processes in front of one engine core per model (default 1)")
     serve.set_defaults(func=cmd_serve)
 
     up = sub.add_parser("up", help="start (or join) Ray and serve the platform with the bundled models and a demo key")
@@ -78,12 +80,20 @@ def _log_setup(settings: Settings) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    settings = _with_flags(args, settings, host=args.host, port=args.port, models_dir=args.models_dir)
+    settings = _with_flags(args, settings, host=args.host, port=args.port, models_dir=args.models_dir,
+                           api_servers=args.api_servers)
     if args.local:
         _log_setup(settings)
+    if settings.api_servers != 1 and not args.local:
+        raise ValueError("api_servers: only `serve --local` runs several API processes; on Ray Serve scale the "
+                         "Gateway deployment's replicas")
     found = load_specs(settings.models_dir)
     for problem in found.errors.values():
         log.error("not serving a spec: %s", problem)
+    if args.local and settings.api_servers != 1:
+        from gateway.cli.api_servers import serve_fronts
+
+        return serve_fronts(settings)
     if args.local:
         serve_local(settings, found.specs)
         return 0

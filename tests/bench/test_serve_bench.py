@@ -13,12 +13,15 @@ from bench.serve_workload import arrival_offsets, nano_requests
 
 
 def test_the_three_targets_serve_the_same_requests_and_the_ledger_reconciles(tmp_path) -> None:
+    # the gateway as two API processes over one engine core: the ledger reconciles across both
     out, chart = tmp_path / "serve.json", tmp_path / "serve.svg"
     serve.main(["--model", "random:llama-tiny", "--device", "cpu", "--dataset", "random", "--num-prompts", "6",
                 "--random-input", "24", "--random-output", "8", "--random-range-ratio", "0.5", "--request-rate",
                 "inf,0.5x", "--warmup", "2", "--client-procs", "1", "--max-num-seqs", "8", "--max-model-len", "128",
-                "--offline-repeats", "1", "--port", "18653", "--json", str(out), "--chart", str(chart)])
+                "--offline-repeats", "1", "--port", "18653", "--api-servers", "2", "--json", str(out),
+                "--chart", str(chart)])
     report = json.loads(out.read_text())
+    assert report["api_servers"] == 2
     asked = report["output_tokens_asked"]
     assert report["offline"]["output_tokens"] == asked
     runs = {(r["target"], r["rate"]): r for r in report["runs"]}

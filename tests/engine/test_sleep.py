@@ -144,6 +144,25 @@ def test_a_level_1_wake_takes_its_weights_from_the_host_copy_in_one_transfer():
 
 
 @pytest.mark.gpu
+def test_sleep_mode_pins_the_host_buffer_at_start_and_the_first_sleep_copies_into_it():
+    llm = LLM("random:llama-1b", device="cuda", max_model_len=1024, max_num_seqs=4, gpu_memory_utilization=0.3,
+              enable_sleep_mode=True)
+    before = _greedy(llm, PROMPTS)
+    sleep = llm.engine.sleep_mode
+    sleep._pinning.join(120)
+    pinned = sleep._host_buffer
+    assert pinned is not None and pinned.is_pinned()
+    llm.sleep(1)
+    assert sleep._offload.host.data_ptr() == pinned.data_ptr()  # copied into the buffer pinned ahead
+    llm.wake()
+    assert _greedy(llm, PROMPTS) == before
+    llm.sleep(1)
+    assert sleep._offload.host.data_ptr() == pinned.data_ptr()  # and kept for the next sleep
+    llm.wake()
+    assert _greedy(llm, PROMPTS) == before
+
+
+@pytest.mark.gpu
 def test_two_engines_share_one_gpu_each_in_its_memory_share_and_take_turns_awake():
     shape = dict(device="cuda", max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
     first, second = LLM("random:llama-1b", **shape), LLM("random:llama-1b", **shape)

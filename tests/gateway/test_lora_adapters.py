@@ -192,3 +192,51 @@ def test_a_refresh_read_before_a_run_time_change_does_not_undo_it():
     assert not table.replace([], read_at)  # ...and the refresh's older view is dropped, not swapped in
     assert table.resolve("m:new", "acme").adapter == added
     assert table.replace([], table.version) and table.all() == []
+
+
+def test_a_gateway_over_the_same_engine_follows_adapters_another_adds_and_removes(
+        clients, lora_server, smollm2_hf, adapters, shared_db_url):  # noqa: F811
+    """`serve --local --api-servers N`: one process changes the adapters (engine and database), the others read the
+    database every TOLLGATE_REGISTRY_REFRESH_S and serve the same set, tenant restrictions included."""
+    from gateway.app import create_app
+    from billing.db import make_engine
+    from gateway.settings import Settings
+    from tests.gateway.live import start
+
+    backend = lora_server.gateway.backends[MODEL]
+    spec = lora_server.gateway.models.specs[MODEL]
+    settings = Settings(database_url=shared_db_url, key_cache_ttl_s=0.0, semantic_cache=False, admin_key=ADMIN)
+    follower = start(create_app(settings, make_engine(shared_db_url), {MODEL: backend}, [spec],
+                                follow_adapters_s=0.2))
+    allowed = openai.OpenAI(base_url=follower.url + "/v1", api_key=clients["lora-allowed"].api_key, max_retries=0)
+    other = openai.OpenAI(base_url=follower.url + "/v1", api_key=clients["lora-other"].api_key, max_retries=0)
+    flags = ["--url", lora_server.url, "--admin-key", ADMIN]
+
+    def served_to(client: openai.OpenAI) -> bool:
+        return f"{MODEL}:shared" in [m.id for m in client.models.list().data]
+
+    def within(condition, seconds: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+        import time
+
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    try:
+        assert platform(["adapters", "add", MODEL, "shared", adapters["extra"], "--tenant", "lora-allowed",
+                         *flags]) == 0
+        assert within(lambda: served_to(allowed))
+        r = allowed.completions.create(model=f"{MODEL}:shared", prompt=PROMPT, max_tokens=6, temperature=0)
+        assert r.choices[0].text == _text(backend.engine, _peft_greedy(smollm2_hf, adapters["extra"], 6))
+        assert not served_to(other)
+        with pytest.raises(openai.NotFoundError):
+            other.completions.create(model=f"{MODEL}:shared", prompt=PROMPT, max_tokens=2)
+        assert platform(["adapters", "remove", MODEL, "shared", *flags]) == 0
+        assert within(lambda: not served_to(allowed))
+        with pytest.raises(openai.NotFoundError):
+            allowed.completions.create(model=f"{MODEL}:shared", prompt=PROMPT, max_tokens=2)
+    finally:
+        follower.stop()

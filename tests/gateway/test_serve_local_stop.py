@@ -42,7 +42,8 @@ def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_
             whole.append(httpx.post(url, json=body, headers=headers, timeout=120))
 
         def ask_stream() -> None:
-            with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=120) as r:
+            with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                              headers=headers, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -88,5 +89,8 @@ def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_
         assert (status, error_name) == ("cancelled", "shutdown")
         assert 0 < tokens < LONG and cost > 0
     [streamed] = [r for r in rows if r.request_id == stream_id]
-    sent = sum(1 for e in events[:-2] if json.loads(e)["choices"] and json.loads(e)["choices"][0]["delta"].get("content"))
+    sent = sum(1 for e in events[:-3] if json.loads(e)["choices"] and json.loads(e)["choices"][0]["delta"].get("content"))
     assert streamed.completion_tokens >= sent
+    # include_usage: the usage chunk before the error event says what the ledger bills
+    usage = json.loads(events[-3])["usage"]
+    assert usage["completion_tokens"] == streamed.completion_tokens

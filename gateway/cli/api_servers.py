@@ -1,0 +1,211 @@
+"""`platform serve --local --api-servers N`: N gateway processes on one port in front of one engine core per model,
+as vLLM's `--api-server-count`. One event loop cannot both parse, admit and stream thousands of requests a second
+and start new ones promptly; N loops share that work while the GPU is still fed by one core per model.
+
+This process (the supervisor) migrates the database, binds N listening sockets to the port (SO_REUSEPORT: the
+kernel spreads connections over them), starts each chat model's engine core with N front connections
+(engine/core_process.py spawn_core) and then the N workers (`python -m gateway.cli.api_servers`), each given its
+socket and its front of every core. A worker is the `serve --local` gateway over those cores; admission, limits and
+the ledger are shared through the database as between any gateway processes, /metrics adds up all workers'
+counts (prometheus_client's multiprocess files), and only worker 0 writes the replicas' GPU intervals.
+
+SIGTERM or Ctrl-C here drains every worker (gateway/cli/draining_server.py), then the cores stop. A worker that
+dies is logged and the others serve on; its requests end and its reservations are swept as any dead gateway's.
+Workers end with the supervisor (PR_SET_PDEATHSIG), and the cores with it (their spawner's connection)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gateway.settings import Settings
+from gateway.specs import ModelSpec, engine_fields
+
+log = logging.getLogger("tollgate.cli")
+WORKER_ENV = "TOLLGATE_API_WORKER"  # a worker's part, as JSON: {"index", "listen_fd", "cores": {model: fd}}
+_PR_SET_PDEATHSIG = 1
+
+
+def check_fronts(settings: Settings) -> None:
+    """ValueError naming the setting for a combination several API processes cannot serve."""
+    if not 1 <= settings.api_servers <= 64:
+        raise ValueError(f"api_servers: {settings.api_servers} is not between 1 and 64")
+    if settings.api_servers > 1 and settings.semantic_cache:
+        raise ValueError("api_servers: more than one API process needs the semantic cache off "
+                         "(TOLLGATE_SEMANTIC_CACHE=false): each process would keep its own cache, and an answer "
+                         "flagged wrong in one would still be served by the others")
+
+
+def _bind(host: str, port: int, count: int) -> list[socket.socket]:
+    out = []
+    for _ in range(count):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        out.append(sock)
+    return out
+
+
+def _spawn_cores(specs: list[ModelSpec], fronts: int) -> dict[str, tuple[subprocess.Popen, Connection, list]]:
+    """Each chat model's core, started loading at once; a spec whose config is refused is left to each worker,
+    which finds the same error and serves the model as unavailable naming it."""
+    from engine.config import EngineConfig
+    from engine.core_process import spawn_core
+
+    cores = {}
+    for spec in specs:
+        if spec.kind != "chat":
+            continue
+        try:
+            config = EngineConfig.from_kwargs(spec.source, **{**engine_fields(spec), "engine_core": "process"})
+        except ValueError:
+            continue
+        cores[spec.name] = spawn_core(config, fronts)
+    return cores
+
+
+def serve_fronts(settings: Settings) -> int:
+    """The supervisor: returns once every worker has ended (0 when they all drained cleanly)."""
+    from billing.migrate import open_database
+    from gateway.specs import load_specs
+
+    check_fronts(settings)
+    open_database(settings.db_url).dispose()  # migrated once, before the workers open it
+    specs = load_specs(settings.models_dir).specs
+    sockets = _bind(settings.host, settings.port, settings.api_servers)
+    metrics_dir = tempfile.mkdtemp(prefix="tollgate-metrics-")
+    cores = _spawn_cores(specs, settings.api_servers)
+    workers: list[subprocess.Popen] = []
+    try:
+        for i, sock in enumerate(sockets):
+            core_socks = {name: fronts[i] for name, (_, _, fronts) in cores.items()}
+            part = {"index": i, "listen_fd": sock.fileno(), "cores": {n: s.fileno() for n, s in core_socks.items()}}
+            env = {**os.environ, WORKER_ENV: json.dumps(part), "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+                   "TOLLGATE_MODELS_DIR": str(settings.models_dir), "TOLLGATE_HOME": str(settings.home),
+                   "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            # a session of its own: Ctrl-C reaches only this process, which then asks each worker to drain once
+            workers.append(subprocess.Popen([sys.executable, "-m", "gateway.cli.api_servers"], env=env,
+                                            pass_fds=(sock.fileno(), *part["cores"].values()),
+                                            start_new_session=True))
+            sock.close()
+            for s in core_socks.values():
+                s.close()
+        log.info("serving at http://%s:%d with %d API processes", settings.host, settings.port, len(workers))
+        return _supervise(workers, metrics_dir)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        for process, control, _ in cores.values():
+            control.close()  # the core's lifeline: it stops
+        for process, _, _ in cores.values():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _supervise(workers: list[subprocess.Popen], metrics_dir: str) -> int:
+    from prometheus_client import multiprocess
+
+    stop = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        if not stop.is_set():
+            stop.set()
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.send_signal(signal.SIGTERM)  # each drains (a second signal would stop it at once)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        running = set(range(len(workers)))
+        failed = False
+        while running:
+            time.sleep(0.2)
+            for i in sorted(running):
+                code = workers[i].poll()
+                if code is None:
+                    continue
+                running.discard(i)
+                multiprocess.mark_process_dead(workers[i].pid, metrics_dir)
+                if code != 0 or not stop.is_set():
+                    failed = True
+                    log.error("API process %d (pid %d) exited with %s; %d serve on", i, workers[i].pid, code,
+                              len(running))
+        return 1 if failed else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# ---- a worker ------------------------------------------------------------------------------------------------
+
+def _end_with_parent() -> None:
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the supervisor is already gone
+        sys.exit(1)
+
+
+def run_worker() -> None:
+    import uvicorn
+
+    from billing.migrate import open_database
+    from gateway.app import create_app
+    from gateway.backends import LocalEngineBackend, ModelBackend
+    from gateway.cli.draining_server import DRAINED_SHUTDOWN_S, DrainingServer
+    from gateway.embedding_backend import LocalEmbeddingBackend
+    from gateway.specs import load_specs
+
+    _end_with_parent()
+    part = json.loads(os.environ[WORKER_ENV])
+    settings = Settings.load()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[api {part['index']}]: %(message)s")
+    specs = load_specs(settings.models_dir).specs  # the supervisor logged the specs it could not read
+    cores = part["cores"]
+    backends: dict[str, ModelBackend] = {}
+    for s in specs:
+        if s.kind == "embedding":
+            backends[s.name] = LocalEmbeddingBackend(s)
+        else:
+            conn = Connection(cores[s.name]) if s.name in cores else None
+            backends[s.name] = LocalEngineBackend(s, core_connection=conn)
+    db = open_database(settings.db_url)
+    app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True,
+                     record_intervals=part["index"] == 0, follow_adapters_s=settings.registry_refresh_s)
+    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
+    server = DrainingServer(config, app.state.in_flight, settings.drain_s)
+    sock = socket.socket(fileno=part["listen_fd"])
+    # uvicorn raises the stop signal again once it has stopped, with the handler it found: this one exits 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    run_worker()
