@@ -174,8 +174,9 @@ class TokenMasker:
         live = [(row, seq) for row, seq in enumerate(tokens.seqs)
                 if seq.grammar is not None and not seq.finishes_when_read and seq.pending_row == row
                 and seq.token_ids[-1] == PENDING_TOKEN]
-        self.wait()  # a job no step took (its masks are a step old now) lets go of the matchers first
-        self._ahead = None
+        stale, self._ahead = self._ahead, None
+        if stale is not None:  # a job no step took: its masks are a step old, so even its failure is moot
+            stale.exception()  # waits: it lets go of the matchers first
         if not live:
             return
         values = tokens.tolist()  # waits for the device (read() would, next)
