@@ -9,28 +9,18 @@ random:llama-1b has no tokenizer of its own, and structured outputs need one: Sm
 the model's 128,256 rows; `--export-tokenizer` saves it as a small folder to carry). Every request decodes exactly
 --output-len tokens (ignore_eos for the free ones; the schema's documents are longer than that, so the constrained
 ones end for length too). The steps timed are the decode steps once every request has its first token; tpot_ms is
-their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (what the masks add to a step),
-of it mask_wait_ms_per_step blocked waiting for the worker's masks right before the sampler applies them and
-mask_start_ms_per_step starting the fill (each matcher consuming its token, the fill handed to the worker once the
-tokens are on the host); mask_worker_ms_per_step is the worker thread's, which fills a step's masks beside the
-forward pass while the engine thread processes the tokens before and schedules the next step (engine/token_mask.py),
-mask_native_ms_per_step the time in llguidance's calls on either thread (taking the GIL back after each included).
---lexers 1 puts every sequence of the schema on one lexer, whose lock fills their masks one at a time (the engine
-before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of each is
-reported, and `ratio` is constrained / unconstrained.
-
---device-timeline (CUDA) also records CUDA events around each step's forward pass and sampling, and gives each run
-`device_ms_per_step`: the forward pass, the sampling, and the device idle before each (idle_before_forward_ms: the
-host had not launched the forward pass yet; idle_before_sample_ms: it had not sampled yet, which includes waiting
-for the masks). Recording them costs the host a few microseconds a step: time the ratio without it."""
+their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (waiting for the mask worker
+included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
+while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in llguidance's calls
+on either thread (taking the GIL back after each included). --lexers 1 puts every sequence of the schema on one
+lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
+each is reported, and `ratio` is constrained / unconstrained."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,13 +43,6 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-# TokenMasker's totals in seconds -> the figures reported, in ms per step with masks
-PER_STEP = {"seconds": "mask_ms_per_step", "wait_seconds": "mask_wait_ms_per_step",
-            "start_seconds": "mask_start_ms_per_step", "ahead_seconds": "mask_worker_ms_per_step",
-            "native_seconds": "mask_native_ms_per_step"}
-MASK_FIELDS = list(PER_STEP.values())
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-1b", help="a path, pkg:<package> or random:<name>")
@@ -75,12 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--lexers", type=int, help="lexers a grammar spreads its sequences over (default: --mask-threads)")
     p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
-    p.add_argument("--device-timeline", action="store_true",
-                   help="CUDA events around each forward pass and sampling: where the device's step goes")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
-    if args.device_timeline and args.device != "cuda":
-        p.error("--device-timeline needs --device cuda")
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
         p.error("need --batch >= 1, --output-len >= 3, --repeats >= 1 and 0 <= --constrained-fraction <= 1")
     return args
@@ -95,58 +74,7 @@ def export_tokenizer(source: str, target: str) -> dict[str, Any]:
     return {"exported": source, "to": target, "vocab_size": tokenizer.vocab_size}
 
 
-class DeviceTimeline:
-    """Events recorded on the device's stream right before and after each forward pass (ModelRunner.run_model) and
-    each sampling (Sampler.token_tensor) while recording; stop() gives the mean of each span in ms: forward_ms,
-    sample_ms, and the device's idle time before each (from the end of the other)."""
-
-    GAPS = {"forward": "idle_before_forward_ms", "sample": "idle_before_sample_ms"}
-
-    def __init__(self, runner, event: Callable[[], Any] | None = None) -> None:
-        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self.marks: list[tuple[str, Any]] = []
-        self.recording = False
-        self._wrap(runner, "run_model", "forward")
-        self._wrap(runner.sampler, "token_tensor", "sample")
-
-    def _wrap(self, owner: Any, name: str, kind: str) -> None:
-        call = getattr(owner, name)
-
-        def recorded(*args, **kwargs):
-            if not self.recording:
-                return call(*args, **kwargs)
-            self._mark(kind)
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self._mark(f"{kind}_end")
-
-        setattr(owner, name, recorded)
-
-    def _mark(self, kind: str) -> None:
-        event = self.event()
-        event.record()
-        self.marks.append((kind, event))
-
-    def start(self) -> None:
-        self.marks, self.recording = [], True
-
-    def stop(self) -> dict[str, float]:
-        self.recording = False
-        if not self.marks:
-            return {}
-        self.marks[-1][1].synchronize()  # the stream's last: every event before it is done too
-        spans: dict[str, list[float]] = defaultdict(list)
-        for (kind, start), (next_kind, end) in zip(self.marks, self.marks[1:]):
-            if next_kind == f"{kind}_end":
-                spans[f"{kind}_ms"].append(start.elapsed_time(end))
-            elif kind.endswith("_end") and next_kind in self.GAPS:
-                spans[self.GAPS[next_kind]].append(start.elapsed_time(end))
-        return {name: sum(values) / len(values) for name, values in sorted(spans.items())}
-
-
-def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str,
-             timeline: DeviceTimeline | None = None) -> dict[str, Any]:
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> dict[str, float]:
     """Adds the batch, steps until every request has its first token, then times the decode steps left."""
     engine, masker = llm.engine, llm.engine.runner.token_masker
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -159,9 +87,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    before = {name: getattr(masker, name) for name in (*PER_STEP, "steps")}
-    if timeline is not None:
-        timeline.start()
+    mask_seconds, ahead_seconds, native_seconds, mask_steps = (masker.seconds, masker.ahead_seconds,
+                                                               masker.native_seconds, masker.steps)
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -169,14 +96,11 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     synchronize(llm.engine.device)
     elapsed = time.perf_counter() - start
     masker.wait()
-    delta = {name: getattr(masker, name) - value for name, value in before.items()}
-    masked = delta["steps"]
-    out = {"tpot_ms": elapsed / steps * 1e3, "steps": steps}
-    for name, field in PER_STEP.items():
-        out[field] = delta[name] / masked * 1e3 if masked else 0.0
-    if timeline is not None:
-        out["device_ms_per_step"] = timeline.stop()
-    return out
+    masked = masker.steps - mask_steps
+    return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
+            "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -210,12 +134,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, params in modes.items():
         run_once(llm, [p[:8] for p in work.prompts], [dataclasses.replace(p, max_tokens=3) for p in params],
                  f"warm-{name}")
-    timeline = DeviceTimeline(llm.engine.runner) if args.device_timeline else None
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
     for r in range(args.repeats):
         for name, params in modes.items():
             runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
-                                       f"{name}-{r}", timeline))
+                                       f"{name}-{r}"))
             log(f"{name} run {r}: {runs[name][-1]}")
     best = {name: min(results, key=lambda x: x["tpot_ms"]) for name, results in runs.items()}
     result = {
@@ -226,8 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tpot_ms_unconstrained": best["unconstrained"]["tpot_ms"],
         "tpot_ms_constrained": best["constrained"]["tpot_ms"],
         "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
-        **{field: best["constrained"][field] for field in MASK_FIELDS},
-        **({f"device_ms_per_step_{name}": best[name]["device_ms_per_step"] for name in modes} if timeline else {}),
+        "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
+        "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
+        "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
         "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }

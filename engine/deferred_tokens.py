@@ -1,8 +1,7 @@
 """Tokens sampled on the device whose values the host reads one step later (async scheduling).
 
 With async scheduling the engine launches step N+1 before it has read step N's tokens: each sequence
-of step N gets PENDING_TOKEN appended to its token_ids once step N is launched (its token is sampled
-after step N+1 is scheduled, right before step N+1 is launched), step N+1 takes that input token
+sampled in step N gets PENDING_TOKEN appended to its token_ids, step N+1 takes that input token
 straight from the device tensor (no host round trip), and the host fills the real value in while the
 GPU runs step N+1. So scheduling, detokenizing and stop checks overlap with the forward pass instead
 of leaving the GPU idle between steps."""
@@ -40,7 +39,11 @@ class DeferredTokens:
         return self._host.tolist()
 
     def mark_pending(self) -> None:
-        mark_pending(self.seqs)
+        """Appends PENDING_TOKEN to each sequence still running: the next step reads it from its row here."""
+        for row, seq in enumerate(self.seqs):
+            if not seq.finished:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_row = row
 
     def read(self) -> list[SampledToken]:
         """The tokens, once the device has them, in place of their PENDING_TOKEN; sequences finished since are
@@ -52,15 +55,6 @@ class DeferredTokens:
             drop_pending_token(seq)
             sampled.append(SampledToken(seq, token, None))
         return sampled
-
-
-def mark_pending(seqs: list[Sequence]) -> None:
-    """Appends PENDING_TOKEN to each sequence still running: the next step reads it from row i of the tokens
-    sampled for seqs (seqs[i]'s), which a launched step may not have sampled yet."""
-    for row, seq in enumerate(seqs):
-        if not seq.finished:
-            seq.token_ids.append(PENDING_TOKEN)
-            seq.pending_row = row
 
 
 def drop_pending_token(seq: Sequence) -> None:

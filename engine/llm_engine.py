@@ -14,7 +14,7 @@ import torch
 
 from engine.checkpoint_prefetch import prefetch_checkpoint
 from engine.config import EngineConfig, SamplingParams
-from engine.deferred_tokens import DeferredTokens, drop_pending_token, mark_pending
+from engine.deferred_tokens import DeferredTokens, drop_pending_token
 from engine.errors import PromptTooLongError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
@@ -85,10 +85,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.metrics,
                                                 config.stream_interval)
         self.overlap = config.async_scheduling and self.speculator is None
-        # async scheduling: the last step launched, whose tokens are sampled once the next step is scheduled (its
-        # sequences hold PENDING_TOKEN meanwhile); and tokens sampled but not read, when a step failed to launch
-        self.unsampled: LaunchedStep | None = None
-        self.in_flight: DeferredTokens | None = None
+        self.in_flight: DeferredTokens | None = None  # the last step's tokens, sampled but not read yet
         self.step_tokens_by_account: Counter[str | None] = Counter()  # of the last step that launched a batch
         self.sleep_mode = EngineSleep(self)
         self.load_seconds = time.perf_counter() - started
@@ -209,8 +206,6 @@ class LLMEngine:
                 drop_pending_token(seq)
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        if self.unsampled is not None and all(seq.finished for seq in self.unsampled.seqs):
-            self.unsampled = None  # nothing of it is wanted: its logits go now, not when the next request comes
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
         state.metrics.finished_time = time.monotonic()
@@ -223,51 +218,30 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, process the outputs; returns the requests with new output. With async scheduling the step
-        is launched before the tokens of the step before it are read, and its own are sampled and read by the next
-        step."""
-        unsampled = self._advance()
-        outputs = self.output_processor.outputs()  # before the launched step's placeholders are appended
-        self._finish_step(unsampled)
+        is launched before the tokens of the step before it are read, and its own are read by the next step."""
+        deferred = self._advance()
+        outputs = self.output_processor.outputs()  # before the in-flight step's placeholders are appended
+        self._finish_step(deferred)
         return outputs
 
     def step_deltas(self) -> list[Delta]:
         """A step as step() runs it; returns what each request with new tokens added (the serving path)."""
-        unsampled = self._advance()
+        deferred = self._advance()
         deltas = self.output_processor.deltas()
-        self._finish_step(unsampled)
+        self._finish_step(deferred)
         return deltas
 
-    def _advance(self) -> LaunchedStep | None:
-        """Schedule, launch, take the tokens now known; returns the step launched when its tokens are sampled and
-        read next step (async scheduling).
-
-        With async scheduling a step is sampled once the step after it is scheduled, and that step is launched
-        right after: between a step's sampling and the next forward pass on the device there is only that launch,
-        not the scheduling and the processing of outputs. Each step's structured-output masks follow the tokens of
-        the step before: their fill (engine/token_mask.py) begins as soon as those tokens are on the host, right
-        after the step's forward pass is launched, and runs beside it and beside everything the engine thread does
-        until it samples the step, waiting for the masks last."""
+    def _advance(self) -> DeferredTokens | None:
+        """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
         if self.sleep_mode.level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
         batch = self._schedule()
-        if self.unsampled is not None:
-            self.in_flight = self.runner.sample_tokens(self.unsampled)
-            self.unsampled = None
         previous = self.in_flight
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
-            if self.grammars.num_live:
-                self.runner.start_masks(previous)  # waits for the tokens, as read() would
             self._add_tokens(previous.read())
-        if launched is None:
-            return None
-        if self.runner.defers_tokens(launched):
-            for seq in batch.seqs:
-                self.kv.cache_computed_blocks(seq)
-            return launched if launched.seqs else None
-        self._take_tokens(batch, self.runner.sample_tokens(launched))
-        return None
+        return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
 
     def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:
@@ -314,24 +288,30 @@ class LLMEngine:
                 metrics.num_computed_prompt_tokens += computed
                 self.metrics.prompt_tokens_computed += computed
 
-    def _take_tokens(self, batch: ScheduledBatch, tokens: list[SampledToken]) -> None:
-        """A step's tokens read at once (one per sequence, or a speculating sequence's kept drafts and one more)."""
+    def _take_tokens(self, batch: ScheduledBatch, tokens: DeferredTokens | list[SampledToken]
+                     ) -> DeferredTokens | None:
+        """This step's tokens: sampled ones are added now; deferred ones are returned, to be read next step."""
+        if isinstance(tokens, DeferredTokens):
+            for seq in batch.seqs:
+                self.kv.cache_computed_blocks(seq)
+            return tokens if tokens.seqs else None
         num_sampled = Counter(id(item.seq) for item in tokens)
         for seq in batch.seqs:
             if seq.spec_token_ids:
                 self._drop_rejected_drafts(seq, num_sampled[id(seq)] - 1)
             self.kv.cache_computed_blocks(seq)
         self._add_tokens(tokens)
+        return None
 
     def _add_tokens(self, sampled: list[SampledToken]) -> None:
         for seq in self.output_processor.add_tokens(sampled):
             self.kv.cache_computed_blocks(seq)  # kept drafts counted computed before they were appended
             self.scheduler.finish(seq)
 
-    def _finish_step(self, unsampled: LaunchedStep | None) -> None:
-        if unsampled is not None:
-            mark_pending(unsampled.seqs)
-            self.unsampled = unsampled
+    def _finish_step(self, deferred: DeferredTokens | None) -> None:
+        if deferred is not None:
+            deferred.mark_pending()
+            self.in_flight = deferred
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
 

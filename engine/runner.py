@@ -19,7 +19,7 @@ import kernels
 from engine.batch_inputs import HostInputs, device_inputs, host_inputs
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.deferred_tokens import PENDING_TOKEN, DeferredTokens
+from engine.deferred_tokens import DeferredTokens
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.distributed.step_channel import receive_step, send_step, share_previous_tokens
 from engine.lora.manager import LoRAManager
@@ -222,30 +222,20 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens(self, step: LaunchedStep) -> DeferredTokens | list[SampledToken]:
         """The launched step's next tokens: on the device, for the host to read a step later, or read now (one per
-        sequence, or for one that speculates its kept drafts and one more). Penalties, min_tokens and grammars read
-        each sequence's tokens, so the tokens of the step before must be in place; a PENDING_TOKEN after them is the
-        token sampled here (a deferred step is sampled after the next step is scheduled)."""
+        sequence, or for one that speculates its kept drafts and one more). Penalties and min_tokens read each
+        sequence's tokens, so the tokens of the step before must be in place."""
         if step.path is TokenPath.GREEDY_ON_SHARDS:
             return step.tokens
         if step.path is TokenPath.DEFERRED:
             logits = self._constrained(step.logits, step.seqs)
             tokens = self.sampler.token_tensor(logits, self._sampling_rows(step.seqs),
                                                self.token_masker.for_step(step.seqs))
-            return DeferredTokens(tokens, step.seqs)
+            deferred = DeferredTokens(tokens, step.seqs)
+            self.token_masker.start_ahead(deferred)  # the next step's masks, in a worker, once these reach the host
+            return deferred
         if step.path is TokenPath.SPECULATIVE:
             return self._verify_drafts(step.logits, step.seqs)
         return self._sample(step.logits, step.seqs)
-
-    @staticmethod
-    def defers_tokens(step: LaunchedStep) -> bool:
-        """Whether the host reads the step's tokens a step later (async scheduling): the engine then samples it once
-        the next step is scheduled, its sequences holding PENDING_TOKEN meanwhile."""
-        return step.path in (TokenPath.DEFERRED, TokenPath.GREEDY_ON_SHARDS)
-
-    def start_masks(self, tokens: DeferredTokens) -> None:
-        """Begins the next step's structured-output masks from these tokens once they reach the host (async
-        scheduling; engine/token_mask.py). The engine calls it before it reads them."""
-        self.token_masker.start_fill(tokens)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch, previous: DeferredTokens | None = None
@@ -365,7 +355,7 @@ class ModelRunner:
     @staticmethod
     def _sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
         return [
-            SamplingRow(seq.params, seq.prompt_token_ids, _output_before(seq), seq.generator)
+            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
             if _uses_penalties(seq.params) else SamplingRow(seq.params, (), (), seq.generator)
             for seq in seqs
         ]
@@ -375,7 +365,7 @@ class ModelRunner:
         banned = {
             i: self.eos_token_ids | frozenset(seq.params.stop_token_ids)
             for i, seq in enumerate(seqs)
-            if seq.num_output_tokens - (seq.token_ids[-1] == PENDING_TOKEN) < seq.params.min_tokens
+            if seq.num_output_tokens < seq.params.min_tokens
         }
         if banned:
             suppress_tokens(logits, banned)
@@ -393,12 +383,6 @@ class ModelRunner:
 def _caught_up(batch: ScheduledBatch) -> list[Sequence]:
     """The batch's sequences whose tokens are all computed once it has run: those that get a next token."""
     return [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n >= seq.num_tokens]
-
-
-def _output_before(seq: Sequence) -> list[int]:
-    """The sequence's output tokens before the one being sampled (whose PENDING_TOKEN may be in place already)."""
-    out = seq.output_token_ids
-    return out[:-1] if out and out[-1] == PENDING_TOKEN else out
 
 
 def _uses_penalties(params) -> bool:

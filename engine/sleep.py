@@ -128,10 +128,8 @@ class EngineSleep:
         return self.last_wake_seconds
 
     def _settle(self) -> None:
-        """Reads a step still in flight (async scheduling leaves one after the last request finishes); a launched
-        step not sampled yet has only finished sequences (the engine is idle), so it is dropped."""
+        """Reads a step still in flight (async scheduling leaves one after the last request finishes)."""
         engine = self.engine
-        engine.unsampled = None
         if engine.in_flight is not None:
             engine.in_flight.tolist()
             engine.in_flight = None

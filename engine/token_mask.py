@@ -7,24 +7,17 @@ pinned buffer, copied to the logits' device at once; the sampler then bans the m
 only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
 parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
-With async scheduling the work starts a step early. Once a step's tokens are on the host (start_fill: LLMEngine
-waits for them right after it has launched the next step's forward pass), the engine thread has each constrained
-sequence's matcher consume its token and hands the fill of the next step's masks to a worker thread, going on only
-once the worker is inside llguidance's fill, which runs without the GIL. The engine thread then processes those
-tokens and schedules the step after, and the sampler waits for the masks right before it applies them (for_step):
-the fill runs beside the forward pass and the engine thread's work. The handover is there because a worker left to take the GIL itself, to begin or between two llguidance
-calls, gets it only when the engine thread's Python lets go of it long enough (a thread waiting for a held GIL
-restarts its wait each time the holder lets go of it briefly, as torch calls do); now it needs the GIL only to
-return, and the engine thread lets go of it then, to wait for the masks.
-
-The next step takes the rows whose matcher is still exactly where the fill left it and fills any others itself; when
-all of them are, in the same order, the worker's buffer is copied to the device as it is. Only one thread touches
-the matchers at any time: the worker from the handoff until for_step (or wait) takes its masks, the engine thread
-otherwise."""
+With async scheduling the work starts a step early: once a step's tokens are sampled on the device (start_ahead),
+a worker thread waits for them to reach the host, has each constrained sequence's matcher consume its new token and
+fills the masks the next step will need, while the engine thread schedules and launches that step and processes
+the tokens. The next step takes the rows whose matcher is still exactly where the worker left it and fills any
+others itself; when all of them are, in the same order, the worker's buffer is copied to the device as it is.
+Only the worker or the engine thread touches the matchers at any time: the engine thread waits for the worker
+before it does. The worker holds the GIL only between its three native calls (the wait for the tokens, consuming
+them, filling the masks): each time it takes the GIL back it may wait for the engine thread to let it go."""
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Sequence as SequenceOf
@@ -33,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.deferred_tokens import PENDING_TOKEN, DeferredTokens
+from engine.deferred_tokens import DeferredTokens
 from engine.grammar import SequenceGrammar, mask_threads
 from engine.sequence import Sequence
 
@@ -79,23 +72,17 @@ class TokenMasker:
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
-        self._started: weakref.ref[DeferredTokens] | None = None  # the tokens whose next masks start_fill began
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
         self._rows: torch.Tensor | None = None
-        # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (starting fills and
-        # waiting for the worker included), of them blocked waiting for the worker's masks, and starting fills
-        # (consuming the tokens, handing the fill over); worker seconds; seconds in llguidance's calls on either
-        # thread (taking the GIL back after each included); steps with masks, rows, rows the worker had ready;
-        # fills handed to the worker
+        # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
+        # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
+        # after each included), steps with masks, rows, rows the worker had ready
         self.seconds = 0.0
-        self.wait_seconds = 0.0
-        self.start_seconds = 0.0
         self.ahead_seconds = 0.0
         self.native_seconds = 0.0
         self.steps = 0
         self.rows = 0
         self.rows_ahead = 0
-        self.fills = 0
 
     @property
     def executor(self):
@@ -162,46 +149,20 @@ class TokenMasker:
             self._rows_key, self._rows = rows, host.to(self.device, non_blocking=True)
         return self._rows
 
-    def start_fill(self, tokens: DeferredTokens) -> None:
-        """Begins the masks of the step after the one that sampled `tokens` (async scheduling), once per tokens: once
-        the tokens are on the host, each constrained sequence pending on them consumes its token here, and the
-        worker fills the masks. Returns once the worker is inside llguidance's fill. Call it after the sequences'
-        PENDING_TOKEN is in place and before tokens.read(); a sequence finished or aborted since is left out, as is
-        one whose token is its last."""
-        if self._started is not None and self._started() is tokens:
+    def start_ahead(self, tokens: DeferredTokens) -> None:
+        """The step whose tokens these are has been sampled on the device: fill the masks of the next step in the
+        worker thread, as soon as the tokens reach the host. The worker holds the matchers weakly until it runs: a
+        sequence aborted or finished meanwhile lets its matcher go."""
+        items = [(row, weakref.ref(seq.grammar)) for row, seq in enumerate(tokens.seqs) if seq.grammar is not None]
+        if not items:
             return
-        self._started = weakref.ref(tokens)
-        live = [(row, seq) for row, seq in enumerate(tokens.seqs)
-                if seq.grammar is not None and not seq.finishes_when_read and seq.pending_row == row
-                and seq.token_ids[-1] == PENDING_TOKEN]
-        stale, self._ahead = self._ahead, None
-        if stale is not None:  # a job no step took: its masks are a step old, so even its failure is moot
-            stale.exception()  # waits: it lets go of the matchers first
-        if not live:
-            return
-        values = tokens.tolist()  # waits for the device (read() would, next)
-        started = time.perf_counter()
-        seqs = [seq for _, seq in live]
-        self._catch_up(seqs)  # nothing, normally: the step that sampled them caught them up
-        tokens_read = [values[row] for row, _ in live]
-        accepted = self._consume([(seq.grammar.matcher, token) for seq, token in zip(seqs, tokens_read)])
-        for seq, token, ok in zip(seqs, tokens_read, accepted):
-            seq.grammar.consumed(seq, token, ok)
-        grammars = [seq.grammar for seq in seqs]
-        ahead = _Ahead([weakref.ref(g) for g in grammars], [g.num_consumed for g in grammars],
-                       self._new_words(len(grammars), grammars[0].mask_words))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
-        filling = threading.Event()
-        self._ahead = self._worker.submit(self._fill_ahead, ahead, filling)
-        filling.wait()  # the GIL is the worker's until llguidance's fill lets go of it
-        self.fills += 1
-        elapsed = time.perf_counter() - started
-        self.start_seconds += elapsed
-        self.seconds += elapsed
+        words = self._new_words(len(items), tokens.seqs[items[0][0]].grammar.mask_words)
+        self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
     def wait(self) -> None:
-        """Returns once the worker has no job (a job holds its matchers while it runs)."""
+        """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
         if self._ahead is not None:
             self._ahead.result()
 
@@ -212,22 +173,24 @@ class TokenMasker:
             return None
         started = time.perf_counter()
         ahead = future.result()
-        elapsed = time.perf_counter() - started
-        self.wait_seconds += elapsed
-        self.seconds += elapsed
+        self.seconds += time.perf_counter() - started
         return ahead
 
-    def _fill_ahead(self, ahead: _Ahead, filling: threading.Event) -> _Ahead:
-        """In the worker: row i of ahead.words gets the mask of grammar i. The grammars are held only while this
-        runs (a job's arguments outlive its result a little)."""
+    def _fill_ahead(self, tokens: DeferredTokens, items: list[tuple[int, weakref.ref[SequenceGrammar]]],
+                    words: torch.Tensor) -> _Ahead | None:
+        """In the worker: words (a row per item) gets the masks of the items' grammars still alive, in order."""
+        values = tokens.tolist()  # waits for the device
         started = time.perf_counter()
-        try:
-            grammars = [ref() for ref in ahead.grammars]  # alive: the engine thread waits on `filling` meanwhile
-            self._fill(ahead.words, [(g.matcher, i) for i, g in enumerate(grammars) if g is not None], filling)
-        finally:
-            filling.set()  # set before the fill already; here for a job that fails before it
+        live = [(row, grammar) for row, ref in items if (grammar := ref()) is not None]
+        if not live:
+            return None
+        accepted = self._consume([(g.matcher, values[row]) for row, g in live])
+        for (row, grammar), ok in zip(live, accepted):
+            grammar.consumed(tokens.seqs[row], values[row], ok)
+        words = words[: len(live)]
+        self._fill(words, [(g.matcher, i) for i, (_, g) in enumerate(live)])
         self.ahead_seconds += time.perf_counter() - started
-        return ahead
+        return _Ahead([weakref.ref(g) for _, g in live], [g.num_consumed for _, g in live], words)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Each matcher consumes its sequence's tokens read since its last mask: one token each, in parallel, in
@@ -251,14 +214,9 @@ class TokenMasker:
         self.native_seconds += time.perf_counter() - started
         return accepted
 
-    def _fill(self, words: torch.Tensor, targets: list[tuple[object, int]],
-              filling: threading.Event | None = None) -> None:
-        """Each matcher's mask into its row of words (contiguous), in parallel (llguidance releases the GIL);
-        `filling` is set right before the call."""
+    def _fill(self, words: torch.Tensor, targets: list[tuple[object, int]]) -> None:
+        """Each matcher's mask into its row of words (contiguous), in parallel (llguidance releases the GIL)."""
         started = time.perf_counter()
         row_bytes = words.shape[1] * words.element_size()
-        executor = self.executor
-        if filling is not None:
-            filling.set()
-        executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), row_bytes, words.shape[0])
+        self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), row_bytes, words.shape[0])
         self.native_seconds += time.perf_counter() - started

@@ -51,27 +51,6 @@ def test_async_and_sync_scheduling_give_identical_outputs(tiny_llama_dir):
     assert len(synced[4][0][0]) == 5 and len(synced[5][0][0]) >= 12
 
 
-def test_the_token_being_sampled_counts_for_no_penalty_and_no_min_tokens(tiny_llama_dir):
-    """An async step is sampled once the next step is scheduled, when the placeholder of the token it samples is in
-    place already: penalties and min_tokens count only the tokens before it, as synchronous steps do. Miscounted by
-    one, a frequency penalty against a bias on the last token id (which a placeholder of -1 would index) and
-    min_tokens just past where greedy decoding first writes the stop token would each give other tokens."""
-    batch = prompts(2, seed=3)
-    free = LLM(tiny_llama_dir).generate([batch[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    stop_id = free[0].outputs[0].token_ids[6]
-    k = free[0].outputs[0].token_ids.index(stop_id)  # where greedy decoding first writes it
-    params = [SamplingParams(temperature=0, logit_bias={299: 8.0}, frequency_penalty=1.0, max_tokens=24),
-              SamplingParams(temperature=0, stop_token_ids=[stop_id], min_tokens=k, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0, stop_token_ids=[stop_id], min_tokens=k + 1, max_tokens=24,
-                             ignore_eos=True)]
-    synced = run(tiny_llama_dir, [batch[1], batch[0], batch[0]], params, async_scheduling=False)
-    assert run(tiny_llama_dir, [batch[1], batch[0], batch[0]], params, async_scheduling=True) == synced
-    biased = synced[0][0][0]
-    assert 0 < biased.count(299) < len(biased)  # the bias wins until the penalty has caught up with it
-    assert len(synced[1][0][0]) == k + 1 and synced[1][0][1] == "stop"  # its first stop ends it
-    assert len(synced[2][0][0]) > k + 1  # that one is banned: one token short of min_tokens
-
-
 def test_placeholder_is_never_seen_and_abort_in_flight_frees_blocks(tiny_llama_dir):
     engine = LLM(tiny_llama_dir, num_kv_blocks=64).engine
     assert engine.overlap
@@ -80,7 +59,7 @@ def test_placeholder_is_never_seen_and_abort_in_flight_frees_blocks(tiny_llama_d
     seen = []
     for _ in range(4):
         seen += engine.step()
-    assert engine.unsampled is not None  # launched; sampled and read by the next step
+    assert engine.in_flight is not None
     seq = engine.requests["r1"].seqs[0]
     assert seq.token_ids[-1] == PENDING_TOKEN  # launched, not read yet
     aborted = engine.abort_request("r1")
@@ -90,21 +69,6 @@ def test_placeholder_is_never_seen_and_abort_in_flight_frees_blocks(tiny_llama_d
     assert all(PENDING_TOKEN not in c.token_ids and PENDING_TOKEN not in c.delta_token_ids
                for out in seen for c in out.outputs)
     assert engine.kv.num_used_blocks == 0
-
-
-def test_aborting_every_request_of_a_launched_step_lets_it_go(tiny_llama_dir):
-    engine = LLM(tiny_llama_dir).engine
-    for i, prompt in enumerate(prompts(2, seed=4)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    engine.step()
-    engine.step()
-    engine.abort_request("r0")
-    assert engine.unsampled is not None  # r1 still wants its token
-    engine.abort_request("r1")
-    assert engine.unsampled is None and not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
-    engine.add_request("next", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def test_no_step_is_spent_past_max_tokens(tiny_llama_dir):
@@ -140,7 +104,7 @@ def test_a_step_that_fails_to_launch_keeps_the_tokens_in_flight(tiny_llama_dir):
         engine.add_request(str(i), prompt, params, stream=False)
     engine.step()
     engine.step()
-    assert engine.unsampled is not None
+    assert engine.in_flight is not None
     original = engine.runner.forward_logits
 
     def fail_once(*args):

@@ -11,11 +11,9 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from bench.json_schemas import CASES
 from engine import LLM, SamplingParams
-from engine.deferred_tokens import PENDING_TOKEN
 from engine.structured_outputs import StructuredOutputs
 from tests.engine.helpers import write_byte_level_tokenizer, write_tiny_model_with_smollm2_tokenizer
 
@@ -102,99 +100,6 @@ def test_async_sync_and_preempted_runs_give_the_same_valid_outputs(tiny) -> None
     tight = tiny(num_kv_blocks=12, max_num_batched_tokens=32)  # 192 token slots for 9 sequences of up to 130
     assert run(tight, mixed_requests()) == expected
     assert tight.engine.metrics.num_preemptions > 0
-
-
-def record_masks(llm: LLM) -> list[list[tuple]]:
-    """Each step's masks as the sampler gets them: (sequence, its output tokens then, its mask row) per row. With
-    async scheduling a step is sampled after the next is scheduled, so the token being sampled may be in place as
-    PENDING_TOKEN already: it is left out."""
-    masker, steps = llm.engine.runner.token_masker, []
-    for_step = masker.for_step
-
-    def recording(seqs):
-        mask = for_step(seqs)
-        if mask is not None:
-            rows = []
-            for row, words in zip(mask.rows.tolist(), mask.words):
-                output = seqs[row].output_token_ids
-                if output and output[-1] == PENDING_TOKEN:
-                    output = output[:-1]
-                rows.append((seqs[row], output, words.clone()))
-            steps.append(rows)
-        return mask
-
-    masker.for_step = recording
-    return steps
-
-
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_each_step_samples_with_the_masks_of_every_token_before_it(tiny, async_scheduling: bool) -> None:
-    """Every mask a step applies is the one a fresh matcher gives after exactly the sequence's tokens so far: a fill
-    begun from the wrong step's tokens (one behind, or with a token twice) would show here."""
-    llm = tiny(async_scheduling=async_scheduling)
-    steps = record_masks(llm)
-    run(llm, mixed_requests())
-    checkers: dict[int, list] = {}  # id(seq) -> [fresh matcher, tokens it has consumed]
-    masks = 0
-    for rows in steps:
-        for seq, output, words in rows:
-            matcher, consumed = checkers.setdefault(
-                id(seq), [llm.engine.grammars.compile(seq.params.structured_outputs).templates[0].deep_copy(), 0])
-            assert PENDING_TOKEN not in output
-            for token in output[consumed:]:
-                assert matcher.consume_token(token)
-            checkers[id(seq)][1] = len(output)
-            expected = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)[: len(words)]
-            assert torch.equal(words, expected), (seq.request_id, len(output))
-            masks += 1
-    assert masks > 150
-
-
-def step_events(llm: LLM) -> list[str]:
-    """What the engine thread does, in order, while it runs the mixed requests (async scheduling): schedule,
-    sample (a step with constrained rows: its masks), launch, fill (the worker begins one: it logs before the engine
-    thread is let go) and read (the tokens of the step before are processed)."""
-    engine, events = llm.engine, []
-    masker = engine.runner.token_masker
-
-    def logged(owner, name: str, event: str, when=lambda *args: True):
-        call = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            if when(*args):
-                events.append(event)
-            return call(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    logged(engine.scheduler, "schedule", "schedule")
-    logged(masker, "for_step", "sample", lambda seqs: any(seq.grammar is not None for seq in seqs))
-    logged(engine.runner, "execute", "launch")
-    logged(masker, "_fill_ahead", "fill")
-    logged(engine.output_processor, "add_tokens", "read")
-    run(llm, mixed_requests())
-    return events
-
-
-def test_a_step_is_sampled_once_the_next_is_scheduled_and_right_before_its_launch(tiny) -> None:
-    """With async scheduling a step's sampling, which waits for its masks, comes after the next step is scheduled
-    and right before that step's forward pass is launched: nothing else stands between the two on the device."""
-    events = step_events(tiny())
-    samples = [i for i, event in enumerate(events) if event == "sample"]
-    assert len(samples) > 50
-    for i in samples[:-1]:  # the last step has no step after it
-        assert events[i - 1: i + 2] == ["schedule", "sample", "launch"], events[i - 3: i + 4]
-
-
-def test_a_steps_mask_fill_begins_before_the_tokens_it_follows_are_processed(tiny) -> None:
-    """Each step's masks follow the tokens of the step before, read right after the step is launched: the fill is
-    under way before the engine thread processes those tokens, and beside the step's forward pass."""
-    events = step_events(tiny())
-    steps = [step.split() for step in " ".join(events).split("sample")[1:-1]]  # from one sampling to the next
-    filled = [step for step in steps if "fill" in step]
-    assert len(filled) > 0.9 * len(steps) > 50
-    for step in filled:
-        assert step.index("launch") < step.index("fill") < step.index("read"), step
 
 
 def test_sequences_spread_over_several_lexers_write_the_same_documents(tiny) -> None:

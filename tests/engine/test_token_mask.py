@@ -5,8 +5,6 @@ computes alone, on random walks through several grammars whose sequences are spr
 from __future__ import annotations
 
 import random
-import sys
-import threading
 
 import pytest
 import torch
@@ -85,8 +83,8 @@ def test_masks_filled_in_parallel_equal_each_matchers_own(grammars: GrammarCompi
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_masks_filled_ahead_by_the_worker_equal_each_matchers_own(grammars: GrammarCompiler, threads: int) -> None:
-    """As with async scheduling: once the step's tokens are on the host each matcher consumes its token and the
-    worker fills the next step's masks; a sequence that leaves the batch makes the next step assemble its rows."""
+    """As with async scheduling: the step's tokens go to the worker, which consumes them and fills the next
+    step's masks; a sequence that leaves the batch makes the next step assemble its rows."""
     rng = random.Random(10 + threads)
     seqs = new_sequences(grammars)
     masker = TokenMasker(torch.device("cpu"), threads=threads)
@@ -99,77 +97,9 @@ def test_masks_filled_ahead_by_the_worker_equal_each_matchers_own(grammars: Gram
             break
         mask = masker.for_step(live)
         tokens = DeferredTokens(torch.tensor(random_step(live, mask.words, mask.rows, rng)), live)
+        masker.start_ahead(tokens)
         tokens.mark_pending()
-        masker.start_fill(tokens)
         for sampled in tokens.read():
             sampled.seq.token_ids.append(sampled.token_id)
     masker.wait()
     assert masker.rows_ahead > masker.rows // 2
-
-
-def pending_step(seqs: list[Sequence], masker: TokenMasker, rng: random.Random,
-                 cls: type[DeferredTokens] = DeferredTokens) -> DeferredTokens:
-    """A step's masks, and its tokens drawn from them, in flight as async scheduling leaves them."""
-    mask = masker.for_step(seqs)
-    tokens = cls(torch.tensor(random_step(seqs, mask.words, mask.rows, rng)), seqs)
-    tokens.mark_pending()
-    return tokens
-
-
-def read(tokens: DeferredTokens) -> None:
-    for sampled in tokens.read():
-        sampled.seq.token_ids.append(sampled.token_id)
-
-
-def test_the_worker_is_inside_the_fill_when_start_fill_returns(grammars: GrammarCompiler) -> None:
-    """The engine thread goes on only once the worker has begun filling, so the fill never waits for the engine
-    thread to let go of the GIL. With a switch interval of 10 s the engine thread gives the GIL up only when it
-    blocks: a worker that still had to take it would not have begun by then."""
-    rng = random.Random(5)
-    seqs = new_sequences(grammars)
-    masker = TokenMasker(torch.device("cpu"), threads=2)
-    tokens = pending_step(seqs, masker, rng)
-    masker.start_fill(tokens)  # the worker thread is started, and idle again once its masks are taken
-    read(tokens)
-    tokens = pending_step(seqs, masker, rng)
-    real, entered, release = masker.executor, threading.Event(), threading.Event()
-
-    class Gated:
-        consume_token_par = real.consume_token_par
-
-        def unsafe_compute_mask_ptr(self, *args) -> None:
-            entered.set()
-            release.wait()
-            real.unsafe_compute_mask_ptr(*args)
-
-    masker._executor = Gated()
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(10.0)
-    try:
-        masker.start_fill(tokens)
-        began = entered.is_set()
-    finally:
-        release.set()
-        sys.setswitchinterval(interval)
-    assert began
-    read(tokens)
-    pending_step(seqs, masker, rng)  # checks every row against its matcher's own mask
-    assert masker.rows_ahead == 2 * len(seqs) and masker.fills == 2
-
-
-def test_a_fill_begins_once_per_step_and_skips_a_sequence_whose_token_is_its_last(grammars: GrammarCompiler) -> None:
-    """A step's tokens begin one fill however often they are offered; a sequence whose pending token is its last
-    (it stops for length once read) consumes nothing and gets no mask."""
-    seqs = new_sequences(grammars)
-    masker = TokenMasker(torch.device("cpu"), threads=2)
-    tokens = pending_step(seqs, masker, random.Random(7))
-    last = seqs[0]
-    last.max_num_tokens = last.num_tokens  # its pending token is its last
-    consumed = [seq.grammar.num_consumed for seq in seqs]
-    masker.start_fill(tokens)
-    masker.start_fill(tokens)
-    assert masker.fills == 1
-    assert [seq.grammar.num_consumed for seq in seqs] == [consumed[0]] + [n + 1 for n in consumed[1:]]
-    read(tokens)
-    pending_step(seqs[1:], masker, random.Random(8))
-    assert masker.rows_ahead == len(seqs) - 1
