@@ -49,13 +49,27 @@ def check_fronts(settings: Settings) -> None:
 
 
 def _bind(host: str, port: int, count: int) -> list[socket.socket]:
-    out = []
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # first without SO_REUSEPORT: a port another server holds, even one that shares it the same way (another
+    # `serve --local --api-servers` of this user), is refused instead of joined
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"port: cannot listen on {host}:{port}: {e.strerror}") from e
+    out: list[socket.socket] = []
     for _ in range(count):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            for bound in out:
+                bound.close()
+            raise ValueError(f"port: cannot listen on {host}:{port}: {e.strerror}") from e
         sock.listen(2048)
         sock.set_inheritable(True)
         out.append(sock)
@@ -106,7 +120,8 @@ def serve_fronts(settings: Settings) -> int:
             sock.close()
             for s in core_socks.values():
                 s.close()
-        log.info("serving at http://%s:%d with %d API processes", settings.host, settings.port, len(workers))
+        log.info("starting %d API processes at http://%s:%d (each loads its models' tokenizers; /health answers "
+                 "once one is up)", len(workers), settings.host, settings.port)
         return _supervise(workers, metrics_dir)
     finally:
         for worker in workers:

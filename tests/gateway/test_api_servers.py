@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -135,12 +136,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--api-servers", "0"], "api_servers: 0 is not between 1 and 64"),
-    (["--api-servers", "2"], "api_servers: more than one API process needs the semantic cache off"),
+@pytest.mark.parametrize("flags, cache, message", [
+    (["--api-servers", "0"], "1", "api_servers: 0 is not between 1 and 64"),
+    (["--api-servers", "2"], "1", "api_servers: more than one API process needs the semantic cache off"),
+    (["--api-servers", "2", "--port", "TAKEN"], "0", "port: cannot listen on 127.0.0.1:"),
+    # another server sharing its port the same way (SO_REUSEPORT, same user) is not joined either
+    (["--api-servers", "2", "--port", "SHARED"], "0", "port: cannot listen on 127.0.0.1:"),
 ])
-def test_api_servers_that_cannot_serve_are_refused_naming_the_setting(db_url, tmp_path, flags, message):
-    env = {**cli_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": "1"}
-    r = subprocess.run([*CLI, "serve", "--local", "--port", str(free_port()), "--models-dir", str(tmp_path), *flags],
-                       env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+def test_api_servers_that_cannot_serve_are_refused_naming_the_setting(db_url, tmp_path, flags, cache, message):
+    env = {**cli_env(db_url, tmp_path), "TOLLGATE_SEMANTIC_CACHE": cache}
+    with socket.socket() as taken:
+        if "SHARED" in flags:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if f in ("TAKEN", "SHARED") else f for f in flags]
+        port = [] if "--port" in flags else ["--port", str(free_port())]
+        r = subprocess.run([*CLI, "serve", "--local", *port, "--models-dir", str(tmp_path), *flags],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
