@@ -393,6 +393,7 @@ def serve(conns: list[Connection]) -> None:
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - the parent raises it
+        log.error("cannot load %s: %s", config.model, e)
         fronts.broadcast(("failed", _picklable(e)))
         return
     fronts.broadcast(("ready", (engine.model_config.vocab_size, engine.max_model_len)))

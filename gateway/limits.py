@@ -210,11 +210,13 @@ def held_tokens(worst: Worst | None) -> str:
 def refusal_error(p: Principal, r: Refusal, worst: Worst | None = None) -> APIError:
     if r.kind == "budget":
         left = max(ZERO, r.limit - r.used - r.reserved)
+        never_fits = _exact(r.used) + _exact(r.asked) > _exact(r.limit)  # not even with every hold settled
+        advice = "Lower max_tokens." if never_fits else "Lower max_tokens, or wait for requests in flight to finish."
         err = insufficient_quota(
             f"{_who(p, r.scope, r.name)} has {usd(left)} left of its monthly budget of {usd(r.limit)} ({usd(r.used)} "
             f"spent, {usd(r.reserved)} held by requests in flight); this request may cost up to {usd(r.asked)} "
-            f"({held_tokens(worst)} at the model's prices). Lower max_tokens, or wait for requests in flight to finish.")
-        if _exact(r.used) + _exact(r.asked) > _exact(r.limit):  # no room even with every hold settled: not retried
+            f"({held_tokens(worst)} at the model's prices). {advice}")
+        if never_fits:  # not retried by the official clients
             err.headers["x-should-retry"] = "false"
         return err
     if r.kind == "rpm":

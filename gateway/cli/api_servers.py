@@ -30,21 +30,25 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gateway.cli.draining_server import DRAINED_SHUTDOWN_S
 from gateway.settings import Settings
 from gateway.specs import ModelSpec, engine_fields
 
 log = logging.getLogger("tollgate.cli")
+SETTING = "--api-servers (TOLLGATE_API_SERVERS)"
+MAX_API_SERVERS = 64
 WORKER_ENV = "TOLLGATE_API_WORKER"  # a worker's part, as JSON: {"index", "listen_fd", "cores": {model: fd}}
 _PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 10.0  # past the drain window and uvicorn's own bound, before a worker that has not ended is killed
 
 
 def check_fronts(settings: Settings) -> None:
     """ValueError naming the setting for a combination several API processes cannot serve."""
-    if not 1 <= settings.api_servers <= 64:
-        raise ValueError(f"api_servers: {settings.api_servers} is not between 1 and 64")
+    if not 1 <= settings.api_servers <= MAX_API_SERVERS:
+        raise ValueError(f"{SETTING}: {settings.api_servers} is not between 1 and {MAX_API_SERVERS}")
     if settings.api_servers > 1 and settings.semantic_cache:
-        raise ValueError("api_servers: more than one API process needs the semantic cache off "
-                         "(TOLLGATE_SEMANTIC_CACHE=false): each process would keep its own cache, and an answer "
+        raise ValueError(f"{SETTING}: more than one API process needs the semantic cache off "
+                         "(TOLLGATE_SEMANTIC_CACHE=0): each process would keep its own cache, and an answer "
                          "flagged wrong in one would still be served by the others")
 
 
@@ -122,7 +126,7 @@ def serve_fronts(settings: Settings) -> int:
                 s.close()
         log.info("starting %d API processes at http://%s:%d (each loads its models' tokenizers; /health answers "
                  "once one is up)", len(workers), settings.host, settings.port)
-        return _supervise(workers, metrics_dir)
+        return _supervise(workers, metrics_dir, settings.drain_s)
     finally:
         for worker in workers:
             if worker.poll() is None:
@@ -138,17 +142,25 @@ def serve_fronts(settings: Settings) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _supervise(workers: list[subprocess.Popen], metrics_dir: str) -> int:
+def _supervise(workers: list[subprocess.Popen], metrics_dir: str, drain_s: float) -> int:
+    """Until every worker has ended. The first SIGTERM / Ctrl-C asks each to drain; a second one, or the drain
+    window and uvicorn's shutdown bound passing, stops them at once (SIGTERM again, then SIGKILL)."""
     from prometheus_client import multiprocess
 
     stop = threading.Event()
+    signals = 0
+    deadline: float | None = None
 
     def on_signal(*_: Any) -> None:
-        if not stop.is_set():
-            stop.set()
-            for worker in workers:
-                if worker.poll() is None:
-                    worker.send_signal(signal.SIGTERM)  # each drains (a second signal would stop it at once)
+        nonlocal signals, deadline
+        signals += 1
+        stop.set()
+        if signals == 1:
+            deadline = time.monotonic() + drain_s + DRAINED_SHUTDOWN_S + STOP_GRACE_S
+        for worker in workers:
+            if worker.poll() is None:
+                # the first: each drains; the second: each stops at once (DrainingServer); a third: killed
+                worker.send_signal(signal.SIGTERM if signals < 3 else signal.SIGKILL)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -156,6 +168,11 @@ def _supervise(workers: list[subprocess.Popen], metrics_dir: str) -> int:
         failed = False
         while running:
             time.sleep(0.2)
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("API processes still running %.0f s after the stop signal: killed", drain_s + STOP_GRACE_S)
+                for i in running:
+                    workers[i].kill()
+                deadline = None
             for i in sorted(running):
                 code = workers[i].poll()
                 if code is None:
@@ -190,7 +207,7 @@ def run_worker() -> None:
     from billing.migrate import open_database
     from gateway.app import create_app
     from gateway.backends import LocalEngineBackend, ModelBackend
-    from gateway.cli.draining_server import DRAINED_SHUTDOWN_S, DrainingServer
+    from gateway.cli.draining_server import DrainingServer
     from gateway.embedding_backend import LocalEmbeddingBackend
     from gateway.specs import load_specs
 
@@ -220,6 +237,12 @@ def run_worker() -> None:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
+    # drained and its ledger flushed: end without the interpreter's teardown, where native extensions loaded with the
+    # engine's modules print reference-count warnings that read like a crash
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -85,8 +85,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     if args.local:
         _log_setup(settings)
     if settings.api_servers != 1 and not args.local:
-        raise ValueError("api_servers: only `serve --local` runs several API processes; on Ray Serve scale the "
-                         "Gateway deployment's replicas")
+        raise ValueError("--api-servers (TOLLGATE_API_SERVERS): only `serve --local` runs several API processes")
     found = load_specs(settings.models_dir)
     for problem in found.errors.values():
         log.error("not serving a spec: %s", problem)

@@ -137,8 +137,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("flags, cache, message", [
-    (["--api-servers", "0"], "1", "api_servers: 0 is not between 1 and 64"),
-    (["--api-servers", "2"], "1", "api_servers: more than one API process needs the semantic cache off"),
+    (["--api-servers", "0"], "1", "--api-servers (TOLLGATE_API_SERVERS): 0 is not between 1 and 64"),
+    (["--api-servers", "2"], "1", "--api-servers (TOLLGATE_API_SERVERS): more than one API process needs the semantic cache off"),
     (["--api-servers", "2", "--port", "TAKEN"], "0", "port: cannot listen on 127.0.0.1:"),
     # another server sharing its port the same way (SO_REUSEPORT, same user) is not joined either
     (["--api-servers", "2", "--port", "SHARED"], "0", "port: cannot listen on 127.0.0.1:"),

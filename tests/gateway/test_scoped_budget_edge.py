@@ -118,7 +118,7 @@ def test_the_refusal_names_the_budget_and_what_is_left(shared_db_url, shared_db,
     assert for_carol.json()["error"] == {
         "message": "End user 'carol' has $0.03 left of its monthly budget of $0.03 ($0.00 spent, $0.00 held by "
                    "requests in flight); this request may cost up to $0.033 (its prompt's 31 tokens and 1 for "
-                   "max_tokens × n at the model's prices). Lower max_tokens, or wait for requests in flight to finish.",
+                   "max_tokens × n at the model's prices). Lower max_tokens.",  # waiting cannot help: nothing held
         "type": "insufficient_quota", "param": None, "code": "insufficient_quota"}
     assert tagged.json()["error"]["message"].startswith(
         "Tag 'batch' has $0.0321 left of its monthly budget of $0.0321 ($0.00 spent, $0.00 held")
