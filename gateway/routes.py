@@ -49,11 +49,16 @@ async def principal(request: Request) -> Principal:
         raise refusal from None
 
 
-@router.get("/health")
-async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+@router.get("/health", response_model=None)
+async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any] | JSONResponse:
+    """200 ok (every model serving) or degraded (some cannot); 503 draining once a stop began, so that a load
+    balancer sends new requests elsewhere while this gateway finishes its streams."""
     infos = {name: b.info() for name, b in gw.backends.items()}
+    models = {name: info.state for name, info in infos.items()}
+    if gw.in_flight.draining:
+        return JSONResponse({"status": "draining", "models": models}, status_code=503)
     ok = all(info.serving for info in infos.values())
-    return {"status": "ok" if ok else "degraded", "models": {name: info.state for name, info in infos.items()}}
+    return {"status": "ok" if ok else "degraded", "models": models}
 
 
 @router.get("/metrics")

@@ -58,6 +58,7 @@ def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_
         proc.send_signal(signal.SIGTERM)
         time.sleep(1)
         late = httpx.post(url, json={**body, "max_tokens": 2}, headers=headers, timeout=30)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)  # a load balancer looks elsewhere
         for t in threads:
             t.join(120)
         out, _ = proc.communicate(timeout=120)
@@ -65,6 +66,7 @@ def test_sigterm_ends_requests_past_the_drain_window_with_a_clean_503_and_bills_
     assert "Traceback" not in out and "CancelledError" not in out and " 500" not in out, out[-3000:]
 
     assert late.status_code == 503 and late.headers["retry-after"]
+    assert health.status_code == 503 and health.json()["status"] == "draining"
     assert late.json()["error"]["code"] == "service_unavailable"
 
     [ended] = whole
