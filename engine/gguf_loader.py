@@ -54,7 +54,17 @@ def open_gguf(path: str) -> Any:
 def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     import gguf
 
-    return gguf.GGUFReader(path)
+    class PlainViewReader(gguf.GGUFReader):
+        """gguf's reader, slicing a plain ndarray view of its memory map (the same pages, still mapped, not read):
+        it slices the file once per metadata value (~250k times for a 49k-token vocabulary), and each slice of an
+        np.memmap runs memmap's Python-level __array_finalize__, which made parsing SmolLM2's metadata 3x slower."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if isinstance(self.data, np.memmap):
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    return PlainViewReader(path)
 
 
 def load_gguf(path: str, device: torch.device | str, dtype: torch.dtype

@@ -23,6 +23,14 @@ MODEL = "smollm2-135m"
 SERVER_ADMIN_KEY = "tga-shared-test-server-admin-key"  # the env-style admin key of the `server` fixture
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the Ray Serve platform (the session's `platform` fixture) run together, at the end, in their
+    order (test_serve.py's last test stops the platform): Ray starts when the first needs it, and no other test runs
+    beside an idle cluster. Between test_lora_serve.py and test_serve.py, ~10 modules (test_ray_output.py's own Ray
+    among them) shared the 2 cores with its raylet, agents and the gateway's registry polling."""
+    items.sort(key=lambda item: "platform" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def spec() -> ModelSpec:
     spec = load_spec(SPEC_PATH)

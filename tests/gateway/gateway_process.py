@@ -21,13 +21,22 @@ from gateway.backends import LocalEngineBackend
 from gateway.settings import Settings
 from gateway.specs import load_spec
 from tests.gateway.live import free_port
+from tollgate import envs
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "platform" / "models" / "smollm2-135m.yaml"
 CLI = [sys.executable, "-m", "gateway.cli"]
 
 
 def cli_env(db_url: str, home: Path) -> dict[str, str]:
-    return {**os.environ, "TOLLGATE_DATABASE_URL": db_url, "TOLLGATE_HOME": str(home)}
+    """A home of the test's own, with the test process's model cache: its converted tokenizers and checkpoints,
+    the extracted embedder and its ONNX export are keyed by their sources, and a fresh one would make each process
+    build them again (7 s for SmolLM2's tokenizer alone; test_serve_model_cache.py and test_tokenizer.py test that
+    path)."""
+    return {**os.environ, "TOLLGATE_DATABASE_URL": db_url, "TOLLGATE_HOME": str(home), **shared_model_cache()}
+
+
+def shared_model_cache() -> dict[str, str]:
+    return {"TOLLGATE_MODEL_CACHE_DIR": str(envs.model_cache_dir())}
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """The platform on real Ray Serve for the tests that need one: Ray started once per session (num_cpus=2), Serve's
 proxy, a fresh database, SmolLM2 deployed as a model application scaled to zero, and the gateway application.
-tests/gateway/conftest.py makes `platform` a session fixture; test_serve.py stops the platform in its last test, so
-modules that use it are collected before it (their names sort before test_serve.py)."""
+tests/gateway/conftest.py makes `platform` a session fixture and runs the tests that use it last, together;
+test_serve.py stops the platform in its last test, so modules that use it must sort before test_serve.py."""
 
 from __future__ import annotations
 

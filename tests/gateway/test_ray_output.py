@@ -17,6 +17,7 @@ import pytest
 
 from billing.accounts import create_key, create_tenant
 from billing.db import make_engine
+from tests.gateway.gateway_process import shared_model_cache
 from tests.gateway.live import free_port
 
 REASON = "max_model_len: 1000000 exceeds the model's max_position_embeddings"
@@ -43,7 +44,7 @@ def test_platform_on_ray_prints_our_lines_and_real_errors_only(db_url, tmp_path)
         "engine: {max_model_len: 1000000}\nautoscaling: {min_replicas: 0, max_replicas: 1}\n")
     port = free_port()
     env = {**os.environ, "TOLLGATE_DATABASE_URL": db_url, "TOLLGATE_HOME": str(tmp_path / "home"),
-           "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": "5"}
+           "TOLLGATE_SEMANTIC_CACHE": "0", "TOLLGATE_DRAIN_S": "5", **shared_model_cache()}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--models-dir",
                              str(models)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

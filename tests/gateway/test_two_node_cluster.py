@@ -23,6 +23,7 @@ pytest.importorskip("ray")
 from billing.accounts import create_key, create_tenant  # noqa: E402
 from billing.db import make_engine  # noqa: E402
 from billing.models import UsageEvent  # noqa: E402
+from tests.gateway.gateway_process import shared_model_cache  # noqa: E402
 from tests.gateway.live import free_port  # noqa: E402
 from tests.gateway.two_node_cluster import COLD_START_TIMEOUT_S, RETRY_AFTER_S  # noqa: E402
 
@@ -31,7 +32,8 @@ SCENARIO_TIMEOUT_S = 420
 
 
 def run_scenario(db_url: str, key: str, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOLLGATE_HOME": str(out.parent / "home")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOLLGATE_HOME": str(out.parent / "home"),
+           **shared_model_cache()}  # the converted SmolLM2 checkpoint of the other tests' replicas
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "tests.gateway.two_node_cluster", db_url, key, str(free_port()),
                              str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
