@@ -37,7 +37,6 @@ from gateway.specs import ModelSpec, engine_fields
 log = logging.getLogger("tollgate.cli")
 SETTING = "--api-servers (TOLLGATE_API_SERVERS)"
 MAX_API_SERVERS = 64
-WORKER_ENV = "TOLLGATE_API_WORKER"  # a worker's part, as JSON: {"index", "listen_fd", "cores": {model: fd}}
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0  # past the drain window and uvicorn's own bound, before a worker that has not ended is killed
 
@@ -114,12 +113,13 @@ def serve_fronts(settings: Settings) -> int:
         for i, sock in enumerate(sockets):
             core_socks = {name: fronts[i] for name, (_, _, fronts) in cores.items()}
             part = {"index": i, "listen_fd": sock.fileno(), "cores": {n: s.fileno() for n, s in core_socks.items()}}
-            env = {**os.environ, WORKER_ENV: json.dumps(part), "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
                    "TOLLGATE_MODELS_DIR": str(settings.models_dir), "TOLLGATE_HOME": str(settings.home),
                    "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
             # a session of its own: Ctrl-C reaches only this process, which then asks each worker to drain once
-            workers.append(subprocess.Popen([sys.executable, "-m", "gateway.cli.api_servers"], env=env,
-                                            pass_fds=(sock.fileno(), *part["cores"].values()),
+            # its part as JSON: {"index", "listen_fd", "cores": {model: fd}}
+            argv = [sys.executable, "-m", "gateway.cli.api_servers", json.dumps(part)]
+            workers.append(subprocess.Popen(argv, env=env, pass_fds=(sock.fileno(), *part["cores"].values()),
                                             start_new_session=True))
             sock.close()
             for s in core_socks.values():
@@ -212,7 +212,7 @@ def run_worker() -> None:
     from gateway.specs import load_specs
 
     _end_with_parent()
-    part = json.loads(os.environ[WORKER_ENV])
+    part = json.loads(sys.argv[1])
     settings = Settings.load()
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {part['index']}]: %(message)s")
