@@ -116,9 +116,8 @@ def serve_fronts(settings: Settings) -> int:
             env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
                    "TOLLGATE_MODELS_DIR": str(settings.models_dir), "TOLLGATE_HOME": str(settings.home),
                    "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            argv = [sys.executable, "-m", "gateway.cli.api_servers", json.dumps(part)]  # its part, as JSON
             # a session of its own: Ctrl-C reaches only this process, which then asks each worker to drain once
-            # its part as JSON: {"index", "listen_fd", "cores": {model: fd}}
-            argv = [sys.executable, "-m", "gateway.cli.api_servers", json.dumps(part)]
             workers.append(subprocess.Popen(argv, env=env, pass_fds=(sock.fileno(), *part["cores"].values()),
                                             start_new_session=True))
             sock.close()
