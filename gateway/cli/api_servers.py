@@ -201,13 +201,7 @@ def _end_with_parent() -> None:
 
 
 def run_worker() -> None:
-    import uvicorn
-
-    from billing.migrate import open_database
-    from gateway.app import create_app
-    from gateway.backends import LocalEngineBackend, ModelBackend
-    from gateway.cli.draining_server import DrainingServer
-    from gateway.embedding_backend import LocalEmbeddingBackend
+    from gateway.cli.local_server import serve_local
     from gateway.specs import load_specs
 
     _end_with_parent()
@@ -216,26 +210,8 @@ def run_worker() -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {part['index']}]: %(message)s")
     specs = load_specs(settings.models_dir).specs  # the supervisor logged the specs it could not read
-    cores = part["cores"]
-    backends: dict[str, ModelBackend] = {}
-    for s in specs:
-        if s.kind == "embedding":
-            backends[s.name] = LocalEmbeddingBackend(s)
-        else:
-            conn = Connection(cores[s.name]) if s.name in cores else None
-            backends[s.name] = LocalEngineBackend(s, core_connection=conn)
-    db = open_database(settings.db_url)
-    app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True,
-                     record_intervals=part["index"] == 0, follow_adapters_s=settings.registry_refresh_s)
-    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
-    server = DrainingServer(config, app.state.in_flight, settings.drain_s)
-    sock = socket.socket(fileno=part["listen_fd"])
-    # uvicorn raises the stop signal again once it has stopped, with the handler it found: this one exits 0
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+    serve_local(settings, specs, core_connections={name: Connection(fd) for name, fd in part["cores"].items()},
+                listen=socket.socket(fileno=part["listen_fd"]), api_server=part["index"])
     # drained and its ledger flushed: end without the interpreter's teardown, where native extensions loaded with the
     # engine's modules print reference-count warnings that read like a crash
     logging.shutdown()

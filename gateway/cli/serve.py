@@ -94,37 +94,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
         return serve_fronts(settings)
     if args.local:
+        from gateway.cli.local_server import serve_local
+
         serve_local(settings, found.specs)
         return 0
     return serve_platform(settings, found.specs, key=None)
-
-
-def serve_local(settings: Settings, specs: list[ModelSpec]) -> None:
-    """The gateway and an in-process engine per spec. A model that cannot load is served as unavailable
-    (503 naming the reason); SIGTERM / Ctrl-C drain in-flight requests for up to settings.drain_s."""
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.backends import LocalEngineBackend, ModelBackend
-    from gateway.cli.draining_server import DRAINED_SHUTDOWN_S, DrainingServer
-    from gateway.embedding_backend import LocalEmbeddingBackend
-
-    db = open_database(settings.db_url)
-    backends: dict[str, ModelBackend] = {
-        s.name: LocalEmbeddingBackend(s) if s.kind == "embedding" else LocalEngineBackend(s)  # type: ignore[misc]
-        for s in specs}
-    app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True)
-    # the access log prints paths and status codes only: never headers (keys) or bodies (prompts)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)
-    server = DrainingServer(config, app.state.in_flight, settings.drain_s)
-    # uvicorn raises the stop signal again, with the handler it found installed, once it has stopped: with this
-    # one, a drained stop exits with status 0 instead of dying by the signal
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # Ctrl-C, raised again by uvicorn once it has stopped (as uvicorn.run takes it)
-        pass
 
 
 # ---- the Ray Serve platform ------------------------------------------------------------------------
