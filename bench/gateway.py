@@ -140,27 +140,41 @@ def main() -> None:
 
     direct_s = asyncio.run(direct(args.requests))
 
-    app = ServerClock(create_app(Settings(database_url=url, log_level="warning"), db, {spec.name: backend}, [spec]))
+    def serve(port: int, **settings: object) -> tuple[ServerClock, uvicorn.Server, threading.Thread]:
+        app = ServerClock(create_app(Settings(database_url=url, log_level="warning", **settings), db,
+                                     {spec.name: backend}, [spec]))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               access_log=False))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        return app, server, thread
+
     port = 18000 + os.getpid() % 1000
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    app, server, thread = serve(port)
+    # the same limits with one SQL reservation per request, the way every request was admitted before leases
+    sql_app, sql_server, sql_thread = serve(port + 1, budget_leases=False)
 
     body = json.dumps({"model": spec.name, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
     results = {}
-    for label, key in (("key without limits", plain_key), ("key with rpm+tpm+budgets (SQL admission)", limited_key)):
-        conn = http.client.HTTPConnection("127.0.0.1", port)
+    for label, key, clock, at in (
+            ("key without limits", plain_key, app, port),
+            ("key with rpm+tpm+budgets (admitted from budget leases)", limited_key, app, port),
+            ("key with rpm+tpm+budgets, a SQL reservation per request (TOLLGATE_BUDGET_LEASES=0)", limited_key,
+             sql_app, port + 1)):
+        conn = http.client.HTTPConnection("127.0.0.1", at)
         for _ in range(5):
             post(conn, key, body)  # warm-up
         added, total, server_added = [], [], []
         for _ in range(args.requests):
             elapsed, rid = post(conn, key, body)
+            while rid not in clock.server_s:  # its last byte is handed to uvicorn just after the client has it
+                time.sleep(0)
             total.append(elapsed)
             added.append(elapsed - backend.engine_s[rid])
-            server_added.append(app.server_s[rid] - backend.engine_s[rid])
+            server_added.append(clock.server_s[rid] - backend.engine_s[rid])
         conn.close()
         results[label] = (added, total, server_added)
 
@@ -184,8 +198,9 @@ def main() -> None:
     for t in threads:
         t.join()
     rate = done / (time.perf_counter() - start)
-    server.should_exit = True
-    thread.join(30)
+    for s, t in ((server, thread), (sql_server, sql_thread)):
+        s.should_exit = True
+        t.join(30)
     inner.stop()
 
     ms = 1000.0

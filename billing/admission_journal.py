@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from billing.ledger_spill import from_jsonable, jsonable
 
@@ -31,7 +31,7 @@ class AdmissionJournal:
         self.owner = owner  # the process, as its spill segments name it (SpillDir.owner)
         self._segment_lines = segment_lines
         self._lock_file: IO[str] | None = None
-        self._open: IO[str] | None = None
+        self._open: BinaryIO | None = None
         self._open_path: Path | None = None
         self._lines = 0
         self._next = 0
@@ -83,8 +83,8 @@ class AdmissionJournal:
         if self._open is None or self._lines >= self._segment_lines:
             self._rotate()
         assert self._open is not None and self._open_path is not None
-        self._open.write(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n")
-        self._open.flush()  # in the OS's hands: a killed process loses nothing
+        # unbuffered: one write(2) a line, in the OS's hands at once, so a killed process loses nothing
+        self._open.write((json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n").encode())
         self._lines += 1
         return self._open_path
 
@@ -94,7 +94,7 @@ class AdmissionJournal:
             self._open.close()
         self._open_path = self.path / f"journal-{self.owner}-{self._next:06d}.jsonl"
         self._next += 1
-        self._open = self._open_path.open("a", encoding="utf-8")
+        self._open = self._open_path.open("ab", buffering=0)
         self._lines = 0
         self._pending[self._open_path] = set()
         if previous is not None:

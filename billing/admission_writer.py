@@ -38,6 +38,7 @@ class _Reserve:
     model: str
     endpoint: str
     now: float
+    requests: int = 1
     done: Future = field(default_factory=Future)
 
 
@@ -62,9 +63,9 @@ class AdmissionWriter:
         return db.dialect.name == "sqlite"
 
     def reserve(self, request_id: str, owner: str, budgets: Budgets, worst: Worst, *, model: str, endpoint: str,
-                now: float) -> Future:
+                now: float, requests: int = 1) -> Future:
         """A future of `reservations.reserve()`'s result (Admitted or Refusal), or of its error."""
-        return self._submit(_Reserve(request_id, owner, budgets, worst, model, endpoint, now))
+        return self._submit(_Reserve(request_id, owner, budgets, worst, model, endpoint, now, requests))
 
     def shrink(self, request_id: str, cost_usd: Decimal, tokens: int) -> Future:
         """A future of `reservations.shrink()`'s result, or of its error."""
@@ -108,7 +109,7 @@ class AdmissionWriter:
             with write_lock(self.db), self.db.begin() as conn:
                 outcomes: list[Admitted | Refusal] = [
                     reserve_in(conn, self.db, op.request_id, op.owner, op.budgets, op.worst, model=op.model,
-                               endpoint=op.endpoint, now=op.now) for op in reserves]
+                               endpoint=op.endpoint, now=op.now, requests=op.requests) for op in reserves]
                 held = shrink_in(conn, self.db, {op.request_id: (op.cost_usd, op.tokens) for op in shrinks})
         except OperationalError as e:  # the database is unreachable or stays locked: every caller hears it now
             for op in batch:
@@ -137,5 +138,5 @@ class AdmissionWriter:
     def _run_alone(self, op: _Reserve | _Shrink) -> Admitted | Refusal | bool:
         if isinstance(op, _Reserve):
             return reserve(self.db, op.request_id, op.owner, op.budgets, op.worst, model=op.model,
-                           endpoint=op.endpoint, now=op.now)
+                           endpoint=op.endpoint, now=op.now, requests=op.requests)
         return shrink(self.db, op.request_id, op.cost_usd, op.tokens)

@@ -12,6 +12,7 @@ from sqlalchemy import JSON, Engine, Float, and_, cast, column, func, null, sele
 
 from billing.models import ApiKey, Reservation, ScopedBudget, SpendCounter, Tenant
 from billing.money import dollars
+from billing.reservations import LEASE_ENDPOINT
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def _lines(engine: Engine, month: str, scope: str) -> list[BudgetLine]:
     r, c = Reservation, SpendCounter
     owner = r.tenant_id if scope == "tenant" else r.api_key_id
     held = r.tenant_usd if scope == "tenant" else r.key_usd
-    flying = (select(owner.label("sid"), func.count().label("n")).where(r.period == month, held.is_not(None))
+    flying = (select(owner.label("sid"), func.count().label("n"))
+              .where(r.period == month, held.is_not(None), r.endpoint != LEASE_ENDPOINT)
               .group_by(owner).subquery())
     if scope == "tenant":
         q = (select(Tenant.id, Tenant.name, null(), null(), Tenant.budget_usd, Tenant.alert_at)

@@ -23,7 +23,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, delete
+from sqlalchemy import Connection, Engine, delete
 from sqlalchemy.exc import DataError, IntegrityError
 
 from billing.admission_journal import AdmissionJournal, events_of, orphaned_journals
@@ -33,6 +33,7 @@ from billing.ledger_spill import SpillDir, append_dead_letter, read_segment
 from billing.models import RateWindow, UsageEvent, utcnow
 from billing.money import ZERO, dollars, usd
 from billing.periods import minute_of, month_of
+from billing.budget_leases import BudgetLeases, LeaseSettlement
 from billing.reservations import CounterChanges, settle_in
 from billing.scoped_budgets import matching
 
@@ -83,6 +84,7 @@ class Ledger:
         self.failed_batches = 0
         self.spilled_total = 0  # events of this process moved to disk
         self.replayed_total = 0  # events of dead processes replayed from their segments
+        self.leases: BudgetLeases | None = None  # the limiter's (billing/budget_leases.py): their holds settle here
         self.dead_lettered_total = 0  # events the database refused, set aside
         self._dead_lettered: set[str] = set()  # their request ids: a segment replayed again adds none twice
 
@@ -116,7 +118,12 @@ class Ledger:
             log.exception("ledger: could not journal the refusal of %s", request_id)
 
     def record(self, event: UsageEvent) -> None:
-        row = {c: getattr(event, c) for c in _EVENT_COLUMNS}
+        self.record_row({c: getattr(event, c) for c in _EVENT_COLUMNS})
+
+    def record_row(self, fields: Row) -> None:
+        """record() of an event given as its columns (those missing take their defaults): the request path's way,
+        without building an ORM object."""
+        row = {c: fields.get(c) for c in _EVENT_COLUMNS}
         if row["created_at"] is None:
             row["created_at"] = utcnow()
         for column, default in (("tags", []), ("prompt_tokens", 0), ("completion_tokens", 0), ("cached_tokens", 0),
@@ -422,30 +429,47 @@ class Ledger:
             index_elements=["request_id"], set_={c: insert.excluded[c] for c in _EVENT_COLUMNS if c != "request_id"},
             where=UsageEvent.__table__.c.status == "interrupted",
         ).returning(UsageEvent.request_id)
-        crossed: list[SoftBudgetCrossed] = []
-        with write_lock(self._engine), self._engine.begin() as conn:
-            inserted = set(conn.execute(stmt, unique).scalars())
-            new_rows = [row for row in unique if row["request_id"] in inserted]
-            changes = CounterChanges()
-            # after the insert: a budget created meanwhile counted these events already (scoped_budgets.py)
-            scoped = matching(conn, new_rows)
-            for row, budgets in zip(new_rows, scoped):
-                ts = row["created_at"].timestamp()
-                period, cost = month_of(ts), dollars(row["cost_usd"])
-                if row["api_key_id"] is not None:
-                    changes.spent[("key", row["api_key_id"], period)] += cost
-                    tokens = row["prompt_tokens"] + row["completion_tokens"]
-                    changes.tokens[(row["api_key_id"], minute_of(ts))] += tokens
-                if row["tenant_id"] is not None:
-                    changes.spent[("tenant", row["tenant_id"], period)] += cost
-                for scope, budget_id in budgets:
-                    changes.spent[(scope, budget_id, period)] += cost
-            settle_in(conn, self._engine, [row["request_id"] for row in unique], changes)
-            if changes.spent:
-                crossed = claim_crossings(conn, self._engine, set(changes.spent))
-        self.inserted_total += len(new_rows)
+        # requests admitted from this process's budget leases hold in their lease, not in rows of their own
+        settlement = LeaseSettlement() if self.leases is not None else None
+        try:
+            with write_lock(self._engine), self._engine.begin() as conn:
+                crossed = self._write_in(conn, unique, stmt, settlement)
+        except BaseException:
+            if settlement is not None:
+                self.leases.settled(settlement, committed=False)  # type: ignore[union-attr]
+            raise
+        if settlement is not None:
+            self.leases.settled(settlement, committed=True)  # type: ignore[union-attr]
         if crossed:
             self._alert(crossed)
+
+    def _write_in(self, conn: Connection, unique: list[Row], stmt: Any,
+                  settlement: LeaseSettlement | None) -> list[SoftBudgetCrossed]:
+        inserted = set(conn.execute(stmt, unique).scalars())
+        new_rows = [row for row in unique if row["request_id"] in inserted]
+        changes = CounterChanges()
+        # after the insert: a budget created meanwhile counted these events already (scoped_budgets.py)
+        scoped = matching(conn, new_rows)
+        for row, budgets in zip(new_rows, scoped):
+            ts = row["created_at"].timestamp()
+            period, cost = month_of(ts), dollars(row["cost_usd"])
+            if row["api_key_id"] is not None:
+                changes.spent[("key", row["api_key_id"], period)] += cost
+                tokens = row["prompt_tokens"] + row["completion_tokens"]
+                changes.tokens[(row["api_key_id"], minute_of(ts))] += tokens
+            if row["tenant_id"] is not None:
+                changes.spent[("tenant", row["tenant_id"], period)] += cost
+            for scope, budget_id in budgets:
+                changes.spent[(scope, budget_id, period)] += cost
+        request_ids = [row["request_id"] for row in unique]
+        closing: list[str] = []
+        if settlement is not None:
+            self.leases.settle_in(conn, self._engine, request_ids, changes, settlement)  # type: ignore[union-attr]
+            closing = settlement.closing_ids
+        settle_in(conn, self._engine, request_ids + closing, changes)
+        crossed = claim_crossings(conn, self._engine, set(changes.spent)) if changes.spent else []
+        self.inserted_total += len(new_rows)
+        return crossed
 
     def _alert(self, crossed: list[SoftBudgetCrossed]) -> None:
         for c in crossed:

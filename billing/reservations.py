@@ -37,7 +37,7 @@ from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, bindparam, delete, select
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, select, update
 
 from billing.admission_journal import interrupted_event
 from billing.db import dialect_insert, write_lock
@@ -48,6 +48,7 @@ from billing.scoped_budgets import ScopedLimit
 
 log = logging.getLogger("tollgate.reservations")
 
+LEASE_ENDPOINT = "budget-lease"  # the endpoint of a reservation that is a gateway's budget lease, not a request
 HEARTBEAT_S = 5.0
 DEAD_AFTER_S = 30.0  # a gateway whose heartbeat is older than this holds no reservation
 
@@ -107,10 +108,12 @@ class _Refused(Exception):
 
 
 def reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, *, model: str,
-            endpoint: str, now: float | None = None) -> Admitted | Refusal:
-    """Reserve `worst` against every limit in `budgets`, all or nothing (a refusal rolls back the rest)."""
+            endpoint: str, now: float | None = None, requests: int = 1) -> Admitted | Refusal:
+    """Reserve `worst` against every limit in `budgets`, all or nothing (a refusal rolls back the rest).
+    `requests`: how many of the key's rpm it takes (more than one for a budget lease, billing/budget_leases.py)."""
     try:
-        return _reserve(db, request_id, owner, budgets, worst, model, endpoint, time.time() if now is None else now)
+        return _reserve(db, request_id, owner, budgets, worst, model, endpoint, time.time() if now is None else now,
+                        requests)
     except _Refused as e:
         return e.refusal
 
@@ -132,14 +135,14 @@ class _AdmissionSql:
         ).returning(row.scope)
         self.counter = select(row.spent_usd, row.reserved_usd).where(
             row.scope == bindparam("scope"), row.scope_id == bindparam("scope_id"), row.period == bindparam("period"))
-        tokens = bindparam("tokens")
+        tokens, requests = bindparam("tokens"), bindparam("requests")
         rate = dialect_insert(db, RateWindow).values(api_key_id=bindparam("key"), minute=bindparam("minute"),
-                                                     requests=1, tokens=tokens)
-        upsert = {"requests": w.requests + 1, "tokens": w.tokens + tokens}
+                                                     requests=requests, tokens=tokens)
+        upsert = {"requests": w.requests + requests, "tokens": w.tokens + tokens}
         self.take_rate = {  # by which limits the key has: (rpm, tpm)
             (has_rpm, has_tpm): rate.on_conflict_do_update(
                 index_elements=["api_key_id", "minute"], set_=upsert,
-                where=and_(*([w.requests < bindparam("rpm")] if has_rpm else []),
+                where=and_(*([w.requests + requests <= bindparam("rpm")] if has_rpm else []),
                            *([w.tokens + tokens <= bindparam("tpm")] if has_tpm else [])),
             ).returning(w.requests, w.tokens)
             for has_rpm in (False, True) for has_tpm in (False, True) if has_rpm or has_tpm}
@@ -155,8 +158,12 @@ class _AdmissionSql:
             "spent_usd": SpendCounter.spent_usd + add.excluded.spent_usd,
             "reserved_usd": SpendCounter.reserved_usd + add.excluded.reserved_usd})
         add = dialect_insert(db, RateWindow)
-        self.add_to_windows = add.on_conflict_do_update(index_elements=["api_key_id", "minute"],
-                                                        set_={"tokens": RateWindow.tokens + add.excluded.tokens})
+        self.add_to_windows = add.on_conflict_do_update(index_elements=["api_key_id", "minute"], set_={
+            "tokens": RateWindow.tokens + add.excluded.tokens, "requests": RateWindow.requests + add.excluded.requests})
+        r = Reservation.__table__.c
+        usd = bindparam("usd", type_=Money())
+        self.debit_hold = update(Reservation).where(r.request_id == bindparam("lease_id")).values(
+            tenant_usd=r.tenant_usd - usd, key_usd=r.key_usd - usd, tokens=r.tokens - bindparam("tokens"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -165,16 +172,17 @@ def _sql(db: Engine) -> _AdmissionSql:
 
 
 def _reserve(db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, model: str, endpoint: str,
-             now: float) -> Admitted:
+             now: float, requests: int) -> Admitted:
     with db.begin() as conn:
-        result = reserve_in(conn, db, request_id, owner, budgets, worst, model=model, endpoint=endpoint, now=now)
+        result = reserve_in(conn, db, request_id, owner, budgets, worst, model=model, endpoint=endpoint, now=now,
+                            requests=requests)
         if isinstance(result, Refusal):
             raise _Refused(result)  # rolls back, which leaves no counter row a refusal created
         return result
 
 
 def reserve_in(conn: Connection, db: Engine, request_id: str, owner: str, budgets: Budgets, worst: Worst, *,
-               model: str, endpoint: str, now: float) -> Admitted | Refusal:
+               model: str, endpoint: str, now: float, requests: int = 1) -> Admitted | Refusal:
     """`reserve()` on a transaction the caller owns (billing/admission_writer.py runs many in one): a refusal gives
     back what this request had taken before it returns, so the transaction's other work stands."""
     period, minute = month_of(now), minute_of(now)
@@ -197,7 +205,7 @@ def reserve_in(conn: Connection, db: Engine, request_id: str, owner: str, budget
         taken.reserved[(scope, scope_id, period)] = -worst.cost_usd  # each counter once: assigned, not added
     admitted = Admitted(0, 0, seconds_to_next_minute(now))
     if budgets.rpm is not None or budgets.tpm is not None:
-        result = _take_rate(conn, sql, budgets, worst.tokens if budgets.tpm is not None else 0, minute, now)
+        result = _take_rate(conn, sql, budgets, worst.tokens if budgets.tpm is not None else 0, requests, minute, now)
         if isinstance(result, Refusal):
             return refuse(result)
         admitted = result
@@ -214,21 +222,21 @@ def reserve_in(conn: Connection, db: Engine, request_id: str, owner: str, budget
     return admitted
 
 
-def _take_rate(conn: Connection, sql: _AdmissionSql, b: Budgets, tokens: int, minute: int,
+def _take_rate(conn: Connection, sql: _AdmissionSql, b: Budgets, tokens: int, requests: int, minute: int,
                now: float) -> Admitted | Refusal:
     retry_after = seconds_to_next_minute(now)
-    if b.rpm == 0:
-        return Refusal("rpm", "key", 0, 0, 0, 1, retry_after)
+    if b.rpm is not None and requests > b.rpm:
+        return Refusal("rpm", "key", b.rpm, 0, 0, requests, retry_after)
     if b.tpm is not None and tokens > b.tpm:
         return Refusal("tpm", "key", b.tpm, 0, 0, tokens, retry_after)
     where = {"key": b.api_key_id, "minute": minute}
     got = conn.execute(sql.take_rate[(b.rpm is not None, b.tpm is not None)],
-                       {**where, "tokens": tokens, "rpm": b.rpm, "tpm": b.tpm}).first()
+                       {**where, "tokens": tokens, "requests": requests, "rpm": b.rpm, "tpm": b.tpm}).first()
     if got is not None:
         return Admitted(got.requests, got.tokens, retry_after)
     used = conn.execute(sql.window, where).one()
-    if b.rpm is not None and used.requests >= b.rpm:
-        return Refusal("rpm", "key", b.rpm, used.requests, 0, 1, retry_after)
+    if b.rpm is not None and used.requests + requests > b.rpm:
+        return Refusal("rpm", "key", b.rpm, used.requests, 0, requests, retry_after)
     return Refusal("tpm", "key", b.tpm or 0, used.tokens, 0, tokens, retry_after)
 
 
@@ -244,6 +252,7 @@ class CounterChanges:
     spent: defaultdict[CounterKey, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
     reserved: defaultdict[CounterKey, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
     tokens: defaultdict[WindowKey, int] = field(default_factory=lambda: defaultdict(int))
+    requests: defaultdict[WindowKey, int] = field(default_factory=lambda: defaultdict(int))  # a lease's unused rpm
 
 
 def shrink(db: Engine, request_id: str, cost_usd: Decimal, tokens: int) -> bool:
@@ -327,10 +336,10 @@ def apply_in(conn: Connection, db: Engine, changes: CounterChanges) -> None:
         conn.execute(_sql(db).add_to_counters, [
             {"scope": s, "scope_id": i, "period": p, "spent_usd": changes.spent.get((s, i, p), 0),
              "reserved_usd": changes.reserved.get((s, i, p), 0)} for s, i, p in counters])
-    windows = sorted(k for k, n in changes.tokens.items() if n)
+    windows = sorted({k for k, n in changes.tokens.items() if n} | {k for k, n in changes.requests.items() if n})
     if windows:
-        conn.execute(_sql(db).add_to_windows, [{"api_key_id": k, "minute": m, "requests": 0,
-                                                "tokens": changes.tokens[(k, m)]} for k, m in windows])
+        conn.execute(_sql(db).add_to_windows, [{"api_key_id": k, "minute": m, "requests": changes.requests.get((k, m), 0),
+                                                "tokens": changes.tokens.get((k, m), 0)} for k, m in windows])
 
 
 def sweep_orphans(db: Engine, now: float | None = None) -> int:
@@ -350,9 +359,12 @@ def sweep_orphans(db: Engine, now: float | None = None) -> int:
         changes = CounterChanges()
         _add_releases(rows, changes)
         apply_in(conn, db, changes)
+        # a budget lease is no request (its requests' records are in their gateway's journal)
         events = [interrupted_event(row.request_id, created_at=row.created_at, tenant_id=row.tenant_id,
-                                    api_key_id=row.api_key_id, model=row.model, endpoint=row.endpoint) for row in rows]
-        conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)
+                                    api_key_id=row.api_key_id, model=row.model, endpoint=row.endpoint)
+                  for row in rows if row.endpoint != LEASE_ENDPOINT]
+        if events:
+            conn.execute(dialect_insert(db, UsageEvent).on_conflict_do_nothing(index_elements=["request_id"]), events)
     log.warning("released %d reservations of gateways that stopped; their requests are recorded as interrupted",
                 len(rows))
     return len(rows)

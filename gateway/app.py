@@ -58,7 +58,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
                  ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s,
-                 budget_alert_webhook=settings.budget_alert_webhook)
+                 budget_alert_webhook=settings.budget_alert_webhook, budget_leases=settings.budget_leases)
     gw.models_dir = settings.models_dir  # where `platform adapters add` may read adapters from, besides the roots
     in_flight = gw.in_flight
 
@@ -98,6 +98,7 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                     if isinstance(backend, LOCAL_BACKENDS):
                         backend.stop()
             gw.ledger.close()
+            gw.limiter.close()  # after the ledger's last write: what the budget leases did not use goes back
             if gw.budget_webhook is not None:
                 gw.budget_webhook.close()
             gw.keeper.stop()

@@ -20,10 +20,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from billing.admission_writer import AdmissionWriter
+from billing.budget_leases import BudgetLeases
 from billing.ledger import Ledger
 from billing.money import ZERO, usd
 from billing.periods import seconds_to_next_minute
-from billing.reservations import Admitted, Budgets, Refusal, Worst, process_id, release, reserve, shrink
+from billing.reservations import (LEASE_ENDPOINT, Admitted, Budgets, Refusal, Worst, process_id, release, reserve,
+                                  shrink)
 from billing.scoped_budgets import SCOPE_WORDS, ScopedLimit, applicable
 from gateway.auth import Principal
 from gateway.errors import APIError, insufficient_quota, rate_limited
@@ -65,7 +67,9 @@ def budgets_of(p: Principal, engine: Engine, end_user: str | None, tags: Sequenc
 
 
 class Limiter:
-    def __init__(self, engine: Engine, ledger: Ledger | None = None, owner: str | None = None) -> None:
+    def __init__(self, engine: Engine, ledger: Ledger | None = None, owner: str | None = None, *,
+                 leases: bool = False) -> None:
+        """`leases`: admit from budget leases where a key is far from its limits (billing/budget_leases.py)."""
         self._engine = engine
         self._ledger = ledger
         self.owner = owner or process_id()
@@ -73,6 +77,38 @@ class Limiter:
         self._lock = threading.Lock()
         # SQLite: a burst's reservations and shrinks commit together (billing/admission_writer.py)
         self.writer = AdmissionWriter(engine) if AdmissionWriter.wanted(engine) else None
+        self.leases = BudgetLeases(engine, self.owner, self._reserve_lease) if leases else None
+        if self.leases is not None and ledger is not None:
+            ledger.leases = self.leases
+
+    def _reserve_lease(self, lease_id: str, budgets: Budgets, worst: Worst, now: float,
+                       requests: int) -> Admitted | Refusal:
+        if self.writer is not None:
+            return self.writer.reserve(lease_id, self.owner, budgets, worst, model="", endpoint=LEASE_ENDPOINT,
+                                       now=now, requests=requests).result()
+        return reserve(self._engine, lease_id, self.owner, budgets, worst, model="", endpoint=LEASE_ENDPOINT,
+                       now=now, requests=requests)
+
+    def _from_lease(self, p: Principal, budgets: Budgets, request_id: str, worst: Worst,
+                    now: float) -> RateLimitHeaders | None | bool:
+        """Admitted from a lease in memory: its headers; False when no lease fits (then take one, or reserve)."""
+        if self.leases is None:
+            return False
+        admitted = self.leases.admit(budgets, request_id, worst, now)
+        return False if admitted is None else _headers(p, admitted)
+
+    def admit_from_lease(self, p: Principal, request_id: str, worst: Worst, *, end_user: str | None = None,
+                         tags: Sequence[str] = ()) -> RateLimitHeaders | None | bool:
+        """admit() from a budget lease in memory, on the event loop (no SQL, no thread): the rate-limit headers, or
+        False when no lease fits (then admit_async())."""
+        if self.leases is None or (p.scoped_budgets and (end_user is not None or tags)):
+            return False
+        return self._from_lease(p, budgets_of(p, self._engine, end_user, tags), request_id, worst, time.time())
+
+    def close(self) -> None:
+        """At shutdown, after the ledger's last write: the leases' unused parts go back."""
+        if self.leases is not None:
+            self.leases.close()
 
     def admit(self, p: Principal, request_id: str, worst: Worst, *, model: str, endpoint: str,
               end_user: str | None = None, tags: Sequence[str] = (), now: float | None = None
@@ -84,6 +120,12 @@ class Limiter:
         now = time.time() if now is None else now
         try:
             budgets = budgets_of(p, self._engine, end_user, tags)
+            leased = self._from_lease(p, budgets, request_id, worst, now)
+            if leased is False and self.leases is not None and self.leases.may_lease(budgets, now) \
+                    and self.leases.take(budgets, worst, now):
+                leased = self._from_lease(p, budgets, request_id, worst, now)
+            if leased is not False:
+                return leased
             result = reserve(self._engine, request_id, self.owner, budgets, worst, model=model,
                              endpoint=endpoint, now=now)
         except OperationalError:
@@ -95,12 +137,27 @@ class Limiter:
                           end_user: str | None = None, tags: Sequence[str] = ()) -> RateLimitHeaders | None:
         """`admit()` from the event loop: through the admission writer where there is one (SQLite), else in a worker
         thread. A caller cancelled while its reservation is being written gets it released."""
+        now = time.time()
+        scoped = p.scoped_budgets and (end_user is not None or tags)
+        if self.leases is not None and not scoped:
+            budgets = budgets_of(p, self._engine, end_user, tags)
+            leased = self._from_lease(p, budgets, request_id, worst, now)
+            if leased is not False:
+                return leased
+            try:
+                if self.leases.may_lease(budgets, now) and await asyncio.to_thread(self.leases.take, budgets, worst,
+                                                                                   now):
+                    leased = self._from_lease(p, budgets, request_id, worst, now)
+                    if leased is not False:
+                        return leased
+            except OperationalError:
+                self._admit_without_database(p, now)
+                return None
         if self.writer is None:
             return await asyncio.to_thread(self.admit, p, request_id, worst, model=model, endpoint=endpoint,
                                            end_user=end_user, tags=tags)
-        now = time.time()
         try:
-            if p.scoped_budgets and (end_user is not None or tags):
+            if scoped:
                 budgets = await asyncio.to_thread(budgets_of, p, self._engine, end_user, tags)
             else:
                 budgets = budgets_of(p, self._engine, end_user, tags)
@@ -128,6 +185,8 @@ class Limiter:
     def shrink(self, request_id: str, cost_usd: Decimal, tokens: int) -> None:
         """The request finished: its hold becomes what it used, so the next admission counts it at its real cost
         (billing/reservations.py). With the database unreachable the ledger settles it later, as before."""
+        if self.leases is not None and self.leases.shrink(request_id, cost_usd, tokens):
+            return
         try:
             shrink(self._engine, request_id, cost_usd, tokens)
         except OperationalError:
@@ -135,6 +194,8 @@ class Limiter:
 
     async def shrink_async(self, request_id: str, cost_usd: Decimal, tokens: int) -> None:
         """`shrink()` from the event loop (through the admission writer where there is one)."""
+        if self.leases is not None and self.leases.shrink(request_id, cost_usd, tokens):
+            return
         if self.writer is None:
             await asyncio.to_thread(self.shrink, request_id, cost_usd, tokens)
             return
@@ -145,6 +206,8 @@ class Limiter:
 
     def release(self, request_id: str) -> None:
         """The request was refused after admission (no usage event follows): give its reservation back."""
+        if self.leases is not None and self.leases.release(request_id):
+            return
         with self._lock:
             self._unreleased.add(request_id)
         self.retry_releases()

@@ -177,15 +177,22 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         refuse_overlong(model, backend.info(), **(prompt_length or {}))
         generation = make_request(request_id, params)
         if gw.needs_admission(p):
-            try:  # the prompt's real tokens where this process has the model's tokenizer, else the byte bound
-                counted = await gw.prompt_tokens.count(gw.models.specs.get(resolved.base), generation)
-            except ValueError as e:
-                raise value_error(e) from e
-            prompt_tokens = counted if counted is not None else prompt_tokens_bound
-            worst = gw.worst_case(resolved, backend, prompt_tokens, params.max_tokens, params.n,
-                                  prompt_counted=counted is not None)
-            limits = await gw.limiter.admit_async(p, request_id, worst, model=model, endpoint=fmt.endpoint,
-                                                  end_user=body.end_user(), tags=gw.tags_of(p, body.tags()))
+            tags = gw.tags_of(p, body.tags())
+            # from a budget lease, the prompt held at its byte bound (the lease has room to spare; the hold shrinks to
+            # the real tokens when the request ends); else reserved with the prompt's tokens counted
+            limits = gw.limiter.admit_from_lease(
+                p, request_id, gw.worst_case(resolved, backend, prompt_tokens_bound, params.max_tokens, params.n),
+                end_user=body.end_user(), tags=tags)
+            if limits is False:
+                try:  # the prompt's real tokens where this process has the model's tokenizer, else the byte bound
+                    counted = await gw.prompt_tokens.count(gw.models.specs.get(resolved.base), generation)
+                except ValueError as e:
+                    raise value_error(e) from e
+                prompt_tokens = counted if counted is not None else prompt_tokens_bound
+                worst = gw.worst_case(resolved, backend, prompt_tokens, params.max_tokens, params.n,
+                                      prompt_counted=counted is not None)
+                limits = await gw.limiter.admit_async(p, request_id, worst, model=model, endpoint=fmt.endpoint,
+                                                      end_user=body.end_user(), tags=tags)
             reserved = True
             if limits is not None:
                 headers.update(limits.headers())

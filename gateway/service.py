@@ -18,7 +18,6 @@ from sqlalchemy import Engine
 from billing.charged_prices import stored_prices
 from billing.db import make_engine
 from billing.ledger import Ledger
-from billing.models import UsageEvent
 from billing.money import ZERO
 from billing.pricing import request_cost
 from billing.reservations import ReservationKeeper, Worst
@@ -128,7 +127,7 @@ class Gateway:
     def __init__(self, db: Engine, models: DeployedModels, *, key_cache_ttl_s: float = 1.0,
                  ledger_max_batch: int = 1000, reuse: AnswerReuse | None = None, ledger_spill_dir: Path | None = None,
                  ledger_max_buffer: int = 10_000, admission_db_timeout_s: float | None = None,
-                 budget_alert_webhook: str | None = None) -> None:
+                 budget_alert_webhook: str | None = None, budget_leases: bool = False) -> None:
         self.db = db
         self.models = models  # replaced whole when deployments change (gateway/deployed.py)
         self.models_dir: Path = Path.cwd()  # the spec directory (settings.models_dir): adapters may load from it
@@ -140,7 +139,7 @@ class Gateway:
         self.budget_webhook = BudgetWebhook(budget_alert_webhook) if budget_alert_webhook else None
         self.ledger = Ledger(db, max_batch=ledger_max_batch, spill_dir=ledger_spill_dir, max_buffer=ledger_max_buffer,
                              on_alert=self.budget_webhook)
-        self.limiter = Limiter(admission_db, self.ledger)
+        self.limiter = Limiter(admission_db, self.ledger, leases=budget_leases)
         self.prompt_tokens = PromptTokenCounter()  # admission holds a prompt's real tokens
         self.in_flight = InFlight()  # the API requests running; a stop drains them (gateway/drain.py)
         # this process's heartbeat: while it beats, no other gateway releases its reservations
@@ -382,7 +381,7 @@ class Gateway:
         cost = ZERO if call.cache_hit else self._list_price(call)
         p = call.principal
         prices = stored_prices(self.models.prices(call.resolved or call.model))  # kept with it: never re-priced
-        self.ledger.record(UsageEvent(
+        self.ledger.record_row(dict(
             request_id=call.request_id, tenant_id=p.tenant_id, api_key_id=p.key_id, end_user=call.end_user,
             tags=call.tags, model=call.resolved.base if call.resolved else call.model,
             adapter=_adapter_name(call.resolved), endpoint=call.fmt.endpoint, route=call.route, status=status,

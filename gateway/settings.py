@@ -44,6 +44,7 @@ class Settings(BaseModel):
     auth_fail_limit: int = Field(_default("auth_fail_limit"), ge=1)
     auth_fail_window_s: float = Field(_default("auth_fail_window_s"), gt=0)
     admission_db_timeout_s: float = Field(_default("admission_db_timeout_s"), gt=0)
+    budget_leases: bool = _default("budget_leases")
     ledger_max_buffer: int = Field(_default("ledger_max_buffer"), ge=1)
     ledger_max_batch: int = Field(1000, ge=1)
     drain_s: float = Field(_default("drain_s"), ge=0)

@@ -4,6 +4,7 @@ validation error names its field path (`autoscaling.max_replicas: ...`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -44,8 +45,15 @@ class Pricing(BaseModel):
         return self
 
     def prices(self) -> Prices:
-        cached = None if self.cached_input_per_1m is None else dollars(self.cached_input_per_1m)
-        return Prices(dollars(self.input_per_1m), dollars(self.output_per_1m), dollars(self.gpu_hour), cached)
+        return _exact_prices(self.input_per_1m, self.output_per_1m, self.gpu_hour, self.cached_input_per_1m)
+
+
+@functools.lru_cache(maxsize=1024)
+def _exact_prices(input_per_1m: float, output_per_1m: float, gpu_hour: float, cached_input_per_1m: float | None
+                  ) -> Prices:
+    """Read for every request: each spec's prices converted to exact dollars once."""
+    cached = None if cached_input_per_1m is None else dollars(cached_input_per_1m)
+    return Prices(dollars(input_per_1m), dollars(output_per_1m), dollars(gpu_hour), cached)
 
 
 CUSTOM_RESOURCE_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-/]{0,99}"

@@ -85,6 +85,9 @@ _DECLARED = [
     Variable("TOLLGATE_AUTH_FAIL_WINDOW_S", float, 60.0, "the window of TOLLGATE_AUTH_FAIL_LIMIT", "gateway"),
     Variable("TOLLGATE_ADMISSION_DB_TIMEOUT_S", float, 2.0,
              "how long key lookups and limit checks wait for an unreachable database", "gateway"),
+    Variable("TOLLGATE_BUDGET_LEASES", _bool, True,
+             "admit a key's requests from memory, out of a slice of its budgets and rpm / tpm reserved in SQL, while it "
+             "is far from every limit (billing/budget_leases.py); off: one SQL reservation per request", "gateway"),
     Variable("TOLLGATE_LEDGER_MAX_BUFFER", int, 10_000,
              "usage events held in memory while the database is unreachable, before they spill to disk", "gateway"),
     Variable("TOLLGATE_BUDGET_ALERT_WEBHOOK", str, None,

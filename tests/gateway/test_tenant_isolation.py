@@ -134,19 +134,19 @@ def test_no_http_route_shows_one_tenant_another_tenants_usage(tenants):
 def test_one_tenants_prompt_prefix_is_never_another_tenants_cache_hit(tenants):
     """The KV prefix cache is salted per tenant: beta sending alpha's long prefix computes it afresh
     (cached_tokens 0, so neither timing nor usage tells beta what alpha sent), while alpha's own repeat hits."""
-    def long_prefix() -> str:
-        return " ".join(f"clause {i}: the {uuid.uuid4().hex[:6]} rule applies." for i in range(40))
+    def long_prefix(title: str) -> str:  # prefixes that differ from their first word: right after the chat template
+        return f"{title} rules. " + " ".join(f"clause {i}: the {uuid.uuid4().hex[:6]} rule applies." for i in range(40))
 
     def cached(key: str, prefix: str, question: str) -> int:
         r = tenants.chat(key, f"{prefix}\n{question}")
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    alphas = long_prefix()
+    alphas = long_prefix("Orange")
     assert cached(tenants.alpha, alphas, "Which rule is first?") < 32  # new: at most the chat template's block
     assert cached(tenants.alpha, alphas, "Which rule is last?") >= 256  # within a tenant the prefix is reused
     # for beta, alpha's prefix is exactly as cached as a prefix no one ever sent
-    fresh = cached(tenants.beta, long_prefix(), "Which rule is last?")
+    fresh = cached(tenants.beta, long_prefix("Purple"), "Which rule is last?")
     assert cached(tenants.beta, alphas, "Which rule is last?") == fresh < 32
     assert cached(tenants.beta, alphas, "Which rule is second?") >= 256  # beta's own copy, cached for beta
 
