@@ -137,7 +137,8 @@ def test_either_expand_reads_either_shrinks_partial_sums(device) -> None:
     y = torch.randn(slots.size, 2 * n, device=device)
     norm = (torch.rand(k, device=device) + 0.5, 1e-6)
     indices = _grouped(slots)
-    grouped, bgmv = grouped_shrink(x, a, indices, split_k=2, norm=norm), bgmv_shrink(x, a, indices, split_k=2, norm=norm)
+    grouped = grouped_shrink(x, a, indices, split_k=2, norm=norm)
+    bgmv = bgmv_shrink(x, a, indices, split_k=2, norm=norm)
     assert grouped.partials.shape == bgmv.partials.shape
     lora_rows = torch.from_numpy(slots >= 0).to(device)
     assert rel_err(grouped.rows()[lora_rows], bgmv.rows()[lora_rows]) < 1e-5
