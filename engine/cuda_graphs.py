@@ -141,8 +141,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, bs: int, width: int, grouped: bool = False) -> None:
-        """Captures the graph of one shape. Its warm-up pass runs eagerly over an all-padding step (the staging
-        buffer zeroed: no sequences), so it writes no KV slot whatever the buffers held before."""
+        """Captures the graph of one shape (and LoRA kernel form). Its warm-up pass runs eagerly over an all-padding
+        step (the staging buffer zeroed: no sequences; no adapter on any row), so it writes no KV slot whatever the
+        buffers held before, and the grouped LoRA kernels see only this graph's rows (an earlier, larger step's
+        grouping would point past them)."""
         started = time.perf_counter()
         key = (bs, width, grouped) if self.lora is not None else (bs, width)
         self.staging.zero_()
