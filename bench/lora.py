@@ -2,6 +2,7 @@
 
     python -m bench.lora --model random:llama-8b --device cuda --json FILE       # the H200 run (issue 37)
     python -m bench.lora --model random:llama-tiny --device cpu --batch 4 --num-adapters 4 --output-len 8  # smoke
+    python -m bench.lora ... --decode-kernels bgmv     # the per-token LoRA decode kernels only, for comparison
 
 Adapters are a random PEFT directory (rank --rank on all seven projections, written here) served under
 --num-adapters names, each in its own device slot. Measures:
@@ -9,6 +10,9 @@ Adapters are a random PEFT directory (rank --rank on all seven projections, writ
 - --batch decodes spread over --num-adapters adapters vs the same batch on the base model (output tok/s);
 - adapter load time from host memory into a device slot (the copy the first request of an evicted adapter waits
   for), and from disk (read and checked off the engine's thread in serving).
+--decode-kernels picks the LoRA kernels of decode steps (EngineConfig.lora_decode_kernels): "auto" (the engine's
+default: grouped by adapter slot from two tokens per distinct adapter, so the batched run's 64 tokens over 16
+adapters group and batch 1 stays per token), "bgmv" (per token always) or "grouped" (always).
 Targets (issue 37): batch-1 >= 0.85x, batch >= 0.80x, host load < 50 ms."""
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--decode-kernels", choices=("auto", "bgmv", "grouped"), default="auto",
+                   help="the LoRA kernels of decode steps (EngineConfig.lora_decode_kernels)")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -85,9 +91,10 @@ def _median_ratio(base: list[float], lora: list[float]) -> tuple[float, float, f
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    log(f"engine: loading {args.model} on {args.device} with {args.num_adapters} adapter slots of rank {args.rank}")
+    log(f"engine: loading {args.model} on {args.device} with {args.num_adapters} adapter slots of rank {args.rank}, "
+        f"{args.decode_kernels} LoRA decode kernels")
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, max_loras=args.num_adapters,
-              max_lora_rank=args.rank, max_num_seqs=max(args.batch, 1))
+              max_lora_rank=args.rank, max_num_seqs=max(args.batch, 1), lora_decode_kernels=args.decode_kernels)
     cfg = llm.engine.model_config
     names = [f"adapter-{i}" for i in range(args.num_adapters)]
     with tempfile.TemporaryDirectory() as root:
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model, "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "rank": args.rank, "num_adapters": args.num_adapters, "batch": args.batch,
+        "decode_kernels": args.decode_kernels,
         "prompt_len": args.prompt_len, "output_len": args.output_len,
         "batch1_base_tok_s": round(b1, 2), "batch1_adapter_tok_s": round(a1, 2), "batch1_ratio": round(r1, 3),
         f"batch{args.batch}_base_tok_s": round(bb, 2), f"batch{args.batch}_adapters_tok_s": round(ab, 2),

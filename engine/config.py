@@ -16,6 +16,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 _QUANTIZATIONS = (None, "int8", "int4", "fp8")
 _ENGINE_CORES = ("auto", "thread", "process")
+_LORA_DECODE_KERNELS = ("auto", "bgmv", "grouped")
 # prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
 # the event loop (the short ones, nearly all, skip the thread hop)
 TOKENIZE_IN_THREAD_CHARS = 20_000
@@ -73,6 +74,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | None = None
+    # The LoRA kernels of a decode step on CUDA (kernels/punica_*.py): "bgmv" per token (each token reads its
+    # adapter's weights), "grouped" by slot (each adapter's weights read once a step), "auto" grouped when the
+    # step's adapter tokens number at least two per distinct adapter (engine/lora/batch.py), so batch 1 is per token.
+    lora_decode_kernels: str = "auto"
     # Serving a sleeping engine (engine/sleep.py): a request that arrives wakes it (wake_on_request), or else waits
     # for an explicit wake; either way one that waits longer than sleep_wait_timeout_s is refused (EngineAsleepError).
     wake_on_request: bool = True
@@ -125,6 +130,8 @@ class EngineConfig:
               f"must be positive, got {self.cpu_kv_cache_gib!r}")
         check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
               f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check(self.lora_decode_kernels in _LORA_DECODE_KERNELS, "lora_decode_kernels",
+              f"must be one of {_LORA_DECODE_KERNELS}, got {self.lora_decode_kernels!r}")
         check(self.engine_core in _ENGINE_CORES, "engine_core",
               f"must be one of {_ENGINE_CORES}, got {self.engine_core!r}")
         check(self.quantization in _QUANTIZATIONS, "quantization",

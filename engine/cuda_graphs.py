@@ -12,7 +12,9 @@ Each graph begins with a kernel that unpacks the step's inputs from one buffer t
 
 Decode steps in which some sequence uses a LoRA adapter replay a second set, captured with the adapters' kernels in
 it (`lora`: they read each token's slot from a static buffer, engine/lora/graph_slots.py), sharing the first set's
-memory pool; base-only steps keep the graphs without those kernels.
+memory pool; base-only steps keep the graphs without those kernels. That set keys its graphs by the LoRA kernels'
+form too (per token or grouped by slot, engine/lora/batch.py): a step of one shape replays the graph of its form,
+each captured the first time a step of that shape and form runs.
 
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
 (its last token and k drafts), which go through the prefill attention kernel; that kernel's launch
@@ -91,8 +93,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(0, (max_bs + 1) * self.q, self.q, dtype=torch.int32, device=device)
         table_words = step_tables_offset(max_bs, self.q) + max_bs * max_blocks_per_seq  # int32
         self.staging = torch.zeros(-(-table_words // 2), dtype=torch.int64, device=device)  # n = 0: all padding
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch size, table width), and with LoRA whether its kernels are the grouped ones
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = pool
         self.num_replays = 0
 
@@ -117,50 +120,59 @@ class DecodeGraphs:
             max_seq_len=width * self.block_size,
         )
 
-    def _forward(self, bs: int, width: int) -> torch.Tensor:
+    def _forward(self, bs: int, width: int, grouped: bool = False) -> torch.Tensor:
         from kernels.step_inputs import unpack_step_inputs
 
         unpack_step_inputs(self.staging, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.block_tables, bs, self.q)
-        with self.lora.applied(bs * self.q) if self.lora is not None else contextlib.nullcontext():
+        with self.lora.applied(bs * self.q, grouped) if self.lora is not None else contextlib.nullcontext():
             return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
                               self.kv_caches)
 
-    def key(self, host: HostInputs) -> tuple[int, int]:
-        """(batch size, table width) of the graph that runs a step that fits."""
+    def key(self, host: HostInputs) -> tuple:
+        """(batch size, table width) of the graph that runs a step that fits; with LoRA, then whether it is the one
+        with the grouped kernels."""
         bs = next(s for s in self.sizes if s >= host.num_seqs)
         width = next(w for w in self.widths(bs)
                      if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
+        if self.lora is not None:
+            return bs, width, self.lora.grouped(host.lora_slots)
         return bs, width
 
     @torch.inference_mode()
-    def capture(self, bs: int, width: int) -> None:
-        """Captures the graph of one shape. Its warm-up pass runs eagerly over an all-padding step (the staging
-        buffer zeroed: no sequences), so it writes no KV slot whatever the buffers held before."""
+    def capture(self, bs: int, width: int, grouped: bool = False) -> None:
+        """Captures the graph of one shape (and LoRA kernel form). Its warm-up pass runs eagerly over an all-padding
+        step (the staging buffer zeroed: no sequences; no adapter on any row), so it writes no KV slot whatever the
+        buffers held before, and the grouped LoRA kernels see only this graph's rows (an earlier, larger step's
+        grouping would point past them)."""
         started = time.perf_counter()
+        key = (bs, width, grouped) if self.lora is not None else (bs, width)
         self.staging.zero_()
-        self._forward(bs, width)  # warm-up: Triton compiles and autotunes outside the capture
+        if self.lora is not None:
+            self.lora.stage(None, bs * self.q)  # the warm-up's rows: no adapter
+        self._forward(bs, width, grouped)  # warm-up: Triton compiles and autotunes outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (a tokenizer, an adapter load) may use CUDA meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.outputs[bs, width] = self._forward(bs, width)
+            self.outputs[key] = self._forward(bs, width, grouped)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[bs, width] = graph
+        self.graphs[key] = graph
+        kind = "" if self.lora is None else " with grouped LoRA kernels" if grouped else " with per-token LoRA kernels"
         log.debug("captured the CUDA graph of %d sequence(s) x %d token(s), %d blocks wide%s, in %.0f ms", bs, self.q,
-                  width, " with LoRA adapters" if self.lora is not None else "", 1000 * (time.perf_counter() - started))
+                  width, kind, 1000 * (time.perf_counter() - started))
 
     def run(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """Replays the graph for a step that fits: copies the staged step into the graph's buffer (pending input
         tokens are read from previous_ids) and returns the hidden states of its tokens."""
-        bs, width = self.key(host)
-        if (bs, width) not in self.graphs:
-            self.capture(bs, width)
+        key = self.key(host)
+        if key not in self.graphs:
+            self.capture(*key)
         staged = graph_staging(host, previous_ids)
         self.staging.view(torch.uint8)[: staged.numel()].copy_(staged, non_blocking=True)
         if self.lora is not None:
-            self.lora.stage(host.lora_slots, bs * self.q)
-        self.graphs[bs, width].replay()
+            self.lora.stage(host.lora_slots, key[0] * self.q)
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[bs, width][: host.num_tokens]
+        return self.outputs[key][: host.num_tokens]

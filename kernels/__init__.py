@@ -286,10 +286,15 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     """y [T, N] += each token's LoRA term (x [T, K] @ A[slot]^T) @ B[slot]^T, in place, slice by slice of a fused
     projection (kernels/punica_shrink.py, kernels/punica_expand.py: the stacks' layouts); tokens of slot -1 are left
     alone. With norm, the term of rms_norm(x, *norm). On CUDA a decode step (one token per sequence) runs the BGMV
-    kernels, which fuse the norm and launch nothing else (what a CUDA graph of the step captures), other steps the
-    SGMV ones."""
+    kernels, or the grouped ones when its indices say so (indices.grouped: tokens sharing adapters, each adapter's
+    weights read once), which fuse the norm and launch nothing else (what a CUDA graph of the step captures), other
+    steps the SGMV ones."""
     check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
     if ops := _triton_for(x):
+        if indices.one_token_per_seq and indices.grouped:
+            shrunk = ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm)
+            ops.punica_expand.grouped_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
+            return
         if indices.one_token_per_seq:
             shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
             ops.punica_expand.bgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
@@ -311,6 +316,9 @@ def lora_add_silu_and_mul(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tenso
     if ops := _triton_for(x):
         if indices.one_token_per_seq and slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]]:
             check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+            if indices.grouped:
+                shrunk = ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm)
+                return ops.punica_expand.grouped_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
             shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
             return ops.punica_expand.bgmv_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
     lora_add_(y, x, a_stack, b_stack, slice_offsets, slice_offsets_host, rank, indices, norm=norm)

@@ -1,6 +1,8 @@
-"""Which adapter each token of a flattened batch uses, in the two forms the LoRA kernels read (kernels/punica_shrink.py,
-kernels/punica_expand.py): per token (BGMV, decode steps: one token per sequence) and per segment (SGMV, steps with
-prefills: runs of consecutive tokens of one adapter). Slot -1 is the base model: no LoRA term."""
+"""Which adapter each token of a flattened batch uses, in the forms the LoRA kernels read (kernels/punica_shrink.py,
+kernels/punica_expand.py): per token (BGMV, decode steps: one token per sequence), per segment (SGMV, steps with
+prefills: runs of consecutive tokens of one adapter) and, for decode steps whose tokens share adapters, grouped by
+slot (the rows sorted by slot and where each slot's rows start: a grid over the slots then reads each adapter's
+weights once a step, however many of the step's tokens use it). Slot -1 is the base model: no LoRA term."""
 
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ class LoRAIndices:
     seg_starts: torch.Tensor  # [G + 1] int32: segment g is rows seg_starts[g]:seg_starts[g + 1]
     seg_slots: torch.Tensor  # [G] int32: each segment's slot (consecutive segments may share one)
     max_seg_len: int  # the longest segment's rows, for the SGMV grid
-    one_token_per_seq: bool  # a decode step: the kernels take the per-token (BGMV) form
+    one_token_per_seq: bool  # a decode step: the kernels take the per-token (BGMV) or the grouped form
+    # the grouped form (None when not built): the rows sorted by slot, base-model rows last, and group_starts [S + 2]:
+    # slot s's rows are sorted_rows[group_starts[s]:group_starts[s + 1]], the base-model rows the group after slot S-1
+    sorted_rows: torch.Tensor | None = None  # [T] int32
+    group_starts: torch.Tensor | None = None  # [S + 2] int32, static in shape: S is the slot pool's size
+    grouped: bool = False  # a decode step takes the grouped form (needs sorted_rows and group_starts)
 
     @property
     def num_tokens(self) -> int:
@@ -25,6 +32,13 @@ class LoRAIndices:
     @property
     def num_segments(self) -> int:
         return self.seg_slots.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """S, the grouped form's number of slots (its grid's first dimension)."""
+        if self.group_starts is None:
+            raise ValueError("these LoRA indices have no grouped form")
+        return self.group_starts.shape[0] - 2
 
 
 def check_lora_stacks(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slice_offsets: list[int],
@@ -39,8 +53,23 @@ def check_lora_stacks(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Ten
                          f"{slice_offsets[-1]} outputs")
 
 
-def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_seq: bool) -> LoRAIndices:
-    """Both forms from each token's slot (int, -1 for none): segments are the runs of equal slots."""
+def group_rows(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The grouped form on the host: (int32 [T] the rows sorted by slot, stable, base-model rows last; int32 [S + 2]
+    where each slot's rows start, then where the base-model rows start, then T)."""
+    slots = np.asarray(token_slots, dtype=np.int32)
+    if slots.size and int(slots.max()) >= num_slots:
+        raise ValueError(f"token slot {int(slots.max())} is outside a pool of {num_slots} slots")
+    keys = np.where(slots < 0, num_slots, slots)
+    order = np.argsort(keys, kind="stable").astype(np.int32)
+    counts = np.bincount(keys, minlength=num_slots + 1)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return order, starts
+
+
+def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_seq: bool,
+                 num_slots: int | None = None, grouped: bool = False) -> LoRAIndices:
+    """The per-token and segment forms from each token's slot (int, -1 for none): segments are the runs of equal
+    slots; with grouped, also the grouped form over a pool of num_slots slots (decode steps)."""
     slots = np.asarray(token_slots, dtype=np.int32)
     if slots.size:
         boundaries = np.flatnonzero(np.diff(slots)) + 1
@@ -49,9 +78,17 @@ def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_se
         starts = np.zeros(1, dtype=np.int32)
     seg_slots = slots[starts[:-1]]
     lengths = np.diff(starts)
-    packed = _to_device(np.concatenate([slots, starts, seg_slots]), torch.device(device))
-    token_t, starts_t, seg_t = packed.split([slots.size, starts.size, seg_slots.size])
-    return LoRAIndices(token_t, starts_t, seg_t, int(lengths.max(initial=0)), one_token_per_seq)
+    parts = [slots, starts, seg_slots]
+    if grouped:
+        if num_slots is None:
+            raise ValueError("the grouped form needs the pool's number of slots")
+        parts += list(group_rows(slots, num_slots))
+    packed = _to_device(np.concatenate(parts), torch.device(device)).split([p.size for p in parts])
+    indices = LoRAIndices(*packed[:3], int(lengths.max(initial=0)), one_token_per_seq)
+    if grouped:
+        indices.sorted_rows, indices.group_starts = packed[3:]
+        indices.grouped = True
+    return indices
 
 
 def _to_device(words: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -3,8 +3,12 @@
 Prefill steps take the SGMV form: one program per (segment, block of its rows, block of ranks), a tl.dot over K,
 writing float32 [T, R'] (zeros for base-model tokens); decode steps the BGMV form: one program per (token, block of
 ranks, split of K), each split's partial sums kept for the expand to add up (SplitShrunk), with the RMSNorm before
-the projection optionally fused. a_stack [S, R', K] holds every slot's A (the slices of a fused projection stacked
-along R')."""
+the projection optionally fused; or, when the step's tokens share adapters, the grouped form: one program per (slot,
+block of ranks, split of K) looping over its slot's tokens (LoRAIndices.sorted_rows) in blocks, so each adapter's A
+is read once a step rather than once per token. Its grid depends on the pool's size only, not on which slots the
+step uses (what a CUDA graph needs): a slot no token uses exits at once. It writes the BGMV form's SplitShrunk, so
+either expand reads either shrink's output. a_stack [S, R', K] holds every slot's A (the slices of a fused
+projection stacked along R')."""
 
 from __future__ import annotations
 
@@ -79,6 +83,47 @@ def _bgmv_shrink_kernel(
             tl.store(out + (R + tl.arange(0, 1)) * stride_or, tl.sum(squares[None, :], axis=1), mask=first)
 
 
+@triton.jit
+def _grouped_shrink_kernel(
+    x_ptr, a_ptr, norm_weight_ptr, out_ptr, sorted_rows_ptr, group_starts_ptr,
+    K, R, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+):
+    wait_for_earlier_kernels(PDL)
+    slot = tl.program_id(0)
+    start = tl.load(group_starts_ptr + slot)
+    end = tl.load(group_starts_ptr + slot + 1)
+    if end > start:
+        ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        split = tl.program_id(2)
+        k_start = split * K_PER_SPLIT
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + ranks[None, :] * stride_ar
+        for m0 in range(start, end, BLOCK_M):
+            pos = m0 + tl.arange(0, BLOCK_M)
+            row_ok = pos < end
+            rows = tl.load(sorted_rows_ptr + pos, mask=row_ok, other=0).to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):  # K_PER_SPLIT: a multiple of BLOCK_K
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                if NORM:
+                    squares += tl.sum(x * x, axis=1)
+                    x = x * tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                a = tl.load(a_rows + ks[:, None] * stride_ak, mask=rank_ok[None, :] & k_ok[:, None],
+                            other=0.0).to(tl.float32)
+                acc += tl.dot(x, a, input_precision=PRECISION)
+            out = out_ptr + split.to(tl.int64) * stride_os + rows * stride_om
+            tl.store(out[:, None] + ranks[None, :] * stride_or, acc, mask=row_ok[:, None] & rank_ok[None, :])
+            if NORM:  # column R: this split's sum of squares, stored by the first block of ranks
+                tl.store(out + R * stride_or, squares, mask=row_ok & (pos * 0 + tl.program_id(1) == 0))
+
+
 @dataclass
 class SplitShrunk:
     """bgmv_shrink's output, which bgmv_expand_ reduces: partials [splits, T, R' + 1] float32, each split's share of
@@ -144,5 +189,39 @@ def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, sp
         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_R=block_r, BLOCK_K=block_k, NORM=norm is not None, num_warps=4, **launch_options(x),
+    )
+    return shrunk
+
+
+GROUPED_MAX_SPLITS = 8  # the expand adds up every split's partial sums once per block of its columns
+
+
+def grouped_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None) -> SplitShrunk:
+    """bgmv_shrink's result (the same SplitShrunk) from the grouped form: one program per (slot, block of ranks,
+    split of K), each reading its slot's A once for all of the slot's tokens. The grid is fixed by the pool's size
+    (a_stack's first dimension) and the shapes, whatever slots the step uses."""
+    num_tokens, k = x.shape
+    num_slots, r = a_stack.shape[0], a_stack.shape[1]
+    if indices.sorted_rows is None or indices.num_slots != num_slots:
+        raise ValueError(f"grouped_shrink needs the grouped form of {num_slots} slots")
+    block_r = max(16, min(64, triton.next_power_of_2(r)))
+    block_k = 128
+    rank_blocks = triton.cdiv(r, block_r)
+    if split_k is None:  # about 128 programs over the slots, at most GROUPED_MAX_SPLITS splits
+        split_k = max(1, min(triton.cdiv(k, block_k), GROUPED_MAX_SPLITS, 128 // max(1, num_slots * rank_blocks)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    num_splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(num_splits, num_tokens, r + 1, dtype=torch.float32, device=x.device)
+    shrunk = SplitShrunk(out, k, None if norm is None else float(norm[1]))
+    if num_tokens == 0 or num_slots == 0:
+        return shrunk
+    norm_weight = x if norm is None else norm[0]
+    _grouped_shrink_kernel[(num_slots, rank_blocks, num_splits)](
+        x, a_stack, norm_weight, out, indices.sorted_rows, indices.group_starts, k, r, k_per_split,
+        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, NORM=norm is not None, PRECISION=_precision(x.dtype),
+        num_warps=4, **launch_options(x),
     )
     return shrunk

@@ -1,4 +1,5 @@
-"""Each token's adapter slot in a step's flattened batch, from its sequences (in HostInputs' order)."""
+"""Each token's adapter slot in a step's flattened batch, from its sequences (in HostInputs' order), and which form
+of the LoRA kernels a decode step takes."""
 
 from __future__ import annotations
 
@@ -19,3 +20,20 @@ def token_slots(seqs: SequenceOf[Sequence], num_new_tokens: SequenceOf[int], slo
 def adapter_ids(seqs: SequenceOf[Sequence]) -> list[int]:
     """The distinct adapters of the sequences, in first-seen order."""
     return list(dict.fromkeys(s.lora.id for s in seqs if s.lora is not None))
+
+
+# "auto" groups a decode step's tokens by slot when they average at least this many per distinct adapter: the
+# grouped kernels then read each adapter's weights once where the per-token ones read them once per token
+GROUPED_MIN_TOKENS_PER_ADAPTER = 2
+
+
+def grouped_decode(slots: np.ndarray | None, kernels: str) -> bool:
+    """Whether a decode step with these token slots (-1: base model) runs the grouped LoRA kernels rather than the
+    per-token (BGMV) ones, under EngineConfig.lora_decode_kernels: "bgmv" and "grouped" force one, "auto" decides
+    by tokens per distinct adapter (batch 1: per token)."""
+    if slots is None or kernels == "bgmv":
+        return False
+    if kernels == "grouped":
+        return True
+    used = slots[slots >= 0]
+    return used.size >= GROUPED_MIN_TOKENS_PER_ADAPTER * max(1, np.unique(used).size)

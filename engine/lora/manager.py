@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
-from engine.lora.batch import adapter_ids, token_slots
+from engine.lora.batch import adapter_ids, grouped_decode, token_slots
 from engine.lora.graph_slots import GraphLoRASlots
 from engine.lora.projection import LoRAStep, attach_lora
 from engine.lora.registry import AdapterEntry, LoRARegistry
@@ -30,6 +30,7 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.max_rank = config.max_lora_rank
+        self.decode_kernels = config.lora_decode_kernels
         self.pool = LoRASlotPool(model_config, config.max_loras, config.max_lora_rank, device, dtype)
         self.registry = LoRARegistry(config.max_cpu_loras, self.load)
         self.step = LoRAStep()
@@ -65,8 +66,13 @@ class LoRAManager:
         return token_slots(seqs, num_new_tokens, slot_of)
 
     def set_indices(self, slots: np.ndarray | None, one_token_per_seq: bool) -> None:
-        self.step.indices = None if slots is None else lora_indices(slots, self.device, one_token_per_seq)
+        """The indices of a step run eagerly; a decode step takes the form a graph of it would (graph_slots)."""
+        if slots is None:
+            self.step.indices = None
+            return
+        grouped = one_token_per_seq and grouped_decode(slots, self.decode_kernels)
+        self.step.indices = lora_indices(slots, self.device, one_token_per_seq, self.pool.max_loras, grouped)
 
     def graph_slots(self, max_tokens: int) -> GraphLoRASlots:
         """Static token-slot buffers for decode graphs of up to max_tokens rows captured with the adapters."""
-        return GraphLoRASlots(self.step, max_tokens, self.device)
+        return GraphLoRASlots(self.step, max_tokens, self.device, self.pool.max_loras, self.decode_kernels)

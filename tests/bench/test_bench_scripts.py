@@ -119,3 +119,5 @@ def test_lora_bench_small_cpu_run(tmp_path) -> None:
     assert json.loads(path.read_text()) == result
     assert result["batch1_adapter_tok_s"] > 0 and result["batch3_adapters_tok_s"] > 0
     assert result["adapter_load_host_ms"] > 0 and result["adapter_mib"] > 0
+    assert result["decode_kernels"] == "auto"
+    assert lora.parse_args(["--decode-kernels", "bgmv"]).decode_kernels == "bgmv"

@@ -135,6 +135,7 @@ def test_lora_config_fields_are_checked():
     for fields, message in [(dict(max_loras=-1), "max_loras: must be an integer >= 0"),
                             (dict(max_lora_rank=0), "max_lora_rank: must be an integer in"),
                             (dict(lora_modules={"a": "/x"}), "lora_modules: needs max_loras > 0"),
-                            (dict(max_loras=2, tensor_parallel_size=2), "max_loras: LoRA adapters are served with")]:
+                            (dict(max_loras=2, tensor_parallel_size=2), "max_loras: LoRA adapters are served with"),
+                            (dict(lora_decode_kernels="sgmv"), "lora_decode_kernels: must be one of")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(model="m", **fields)

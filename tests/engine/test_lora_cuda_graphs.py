@@ -1,7 +1,7 @@
 """On the GPU: decode steps that use LoRA adapters replay CUDA graphs captured with the adapters' kernels, and give the
 greedy tokens of the same engine run eagerly, also after an adapter is swapped into a slot between two generate calls
-(the graphs read the slot pool's stacks, which a load copies into). float32, so that the graphs' and the eager steps'
-attention splits agree far beyond any near-tie."""
+(the graphs read the slot pool's stacks, which a load copies into), with the per-token and with the grouped kernels.
+float32, so that the graphs' and the eager steps' attention splits agree far beyond any near-tie."""
 
 import pytest
 import torch
@@ -30,10 +30,10 @@ def base_and_adapters(tmp_path_factory):
     return str(root / "base"), adapters
 
 
-def _llm(base_dir: str, adapters: dict[str, str], eager: bool) -> LLM:
+def _llm(base_dir: str, adapters: dict[str, str], eager: bool, decode_kernels: str = "auto") -> LLM:
     # two slots for three adapters: the second call's new adapter evicts one the first call used
     return LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=8, max_loras=2,
-               max_lora_rank=16, lora_modules=adapters, enforce_eager=eager)
+               max_lora_rank=16, lora_modules=adapters, enforce_eager=eager, lora_decode_kernels=decode_kernels)
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -92,3 +92,34 @@ def test_adapter_re_added_under_its_name_is_seen_by_the_graphs(base_and_adapters
     assert after == _tokens(eager, prompts, ["qv-r8", "mlp-r4"])
     assert after[0] != before[0] and after[1] == before[1]
     assert after[0] == _tokens(graphed, prompts, ["all-r16", "mlp-r4"])[0]
+
+
+@pytest.mark.parametrize("decode_kernels", ["grouped", "auto"])
+def test_grouped_lora_kernels_in_graphs_give_the_eager_tokens(base_and_adapters, decode_kernels):
+    """Mixed batches whose decode steps replay graphs of the grouped kernels (forced, or under "auto" while the
+    batch has at least two tokens per adapter, then per-token graphs as sequences finish) give the tokens of eager
+    steps, grouped and per token."""
+    base_dir, adapters = base_and_adapters
+    graphed = _llm(base_dir, adapters, eager=False, decode_kernels=decode_kernels)
+    eager = {form: _llm(base_dir, adapters, eager=True, decode_kernels=form) for form in ("grouped", "bgmv")}
+    shared = _prompts(1, (29,))[0]
+    calls = [  # (prompts, adapters, max_tokens): sequences finishing one after another shrink the batch
+        ([shared, shared, shared, *_prompts(6, (5, 40, 17, 8, 21))],
+         ["qv-r8", None, "all-r16", "all-r16", "qv-r8", None, "all-r16", "qv-r8"], [24, 8, 24, 20, 16, 24, 4, 12]),
+        ([shared, shared, *_prompts(7, (12, 3, 33))], ["mlp-r4", "all-r16", None, "mlp-r4", "all-r16"],
+         [MAX_TOKENS] * 5),
+        ([shared], ["all-r16"], [MAX_TOKENS]),
+    ]
+    for prompts, loras, lengths in calls:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, lora_name=loras)]
+        for form, llm in eager.items():
+            assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_name=loras)], form
+    keys = set(graphed.engine.runner.lora_graphs.graphs)
+    assert any(grouped for _, _, grouped in keys)
+    if decode_kernels == "auto":  # batch 1 and the batches of one token per adapter replay per-token graphs
+        assert any(bs == 1 and not grouped for bs, _, grouped in keys)
+        assert any(bs > 1 and not grouped for bs, _, grouped in keys)  # the batch of call 1 as it shrinks
+    else:
+        assert all(grouped for _, _, grouped in keys)
+    assert graphed.engine.kv.num_used_blocks == 0

@@ -1,6 +1,7 @@
 """On the GPU (Triton SGMV/BGMV kernels, bf16, decode steps in CUDA graphs): a batch mixing the base model and several
 LoRA adapters gives each request the logits of peft's PeftModel over its adapter, as close as peft's own bf16 run comes
-to float32; so does batch-1 decode, where the base projections' GEMVs and the LoRA kernels fuse the RMSNorms."""
+to float32, with the per-token and with the grouped LoRA decode kernels; so does batch-1 decode, where the base
+projections' GEMVs and the LoRA kernels fuse the RMSNorms."""
 
 import copy
 
@@ -52,9 +53,10 @@ def _check_against_peft(base, adapters, requests, outputs, logits):
 
 
 @torch.inference_mode()
-def test_mixed_adapter_batch_on_cuda_bf16_matches_peft(tmp_path):
+@pytest.mark.parametrize("decode_kernels", ["auto", "bgmv", "grouped"])
+def test_mixed_adapter_batch_on_cuda_bf16_matches_peft(tmp_path, decode_kernels):
     base, adapters = _base_and_adapters(tmp_path)
-    engine = _engine(tmp_path, adapters, max_num_batched_tokens=48)
+    engine = _engine(tmp_path, adapters, max_num_batched_tokens=48, lora_decode_kernels=decode_kernels)
     gen = torch.Generator().manual_seed(5)
     prompt = lambda n: torch.randint(0, 300, (n,), generator=gen).tolist()  # noqa: E731
     shared = prompt(41)
@@ -63,6 +65,8 @@ def test_mixed_adapter_batch_on_cuda_bf16_matches_peft(tmp_path):
     outputs, logits = _run(engine, requests, max_tokens=6)
     _check_against_peft(base, adapters, requests, outputs, logits)
     assert engine.runner.lora_graphs.num_replays > 0  # the steps that decode all five replay the adapters' graphs
+    if decode_kernels != "auto":
+        assert {grouped for _, _, grouped in engine.runner.lora_graphs.graphs} == {decode_kernels == "grouped"}
     assert not torch.allclose(logits["base"][0][1].float(), logits["all64"][0][1].float(), atol=0.1)
     assert engine.lora.pool.num_loads >= 3
     assert engine.kv.num_used_blocks == 0

@@ -1,17 +1,19 @@
-"""The static token-slot buffer that decode graphs captured with LoRA read: a step's slots are staged into it with -1
-on the graph's padding rows (whatever an earlier, larger step left there), and the captured model sees them only
-while a graph is captured."""
+"""The static token-slot buffers that decode graphs captured with LoRA read: a step's slots are staged into them with
+-1 on the graph's padding rows (whatever an earlier, larger step left there), with its rows grouped by slot for the
+grouped kernels, and the captured model sees them only while a graph is captured; which form a step takes."""
 
 import numpy as np
+import pytest
 import torch
 
+from engine.lora.batch import grouped_decode
 from engine.lora.graph_slots import GraphLoRASlots
 from engine.lora.projection import LoRAStep
 
 
 def test_staged_slots_pad_with_no_adapter_and_indices_view_the_buffer():
     step = LoRAStep()
-    slots = GraphLoRASlots(step, max_tokens=8, device=torch.device("cpu"))
+    slots = GraphLoRASlots(step, max_tokens=8, device=torch.device("cpu"), num_slots=4)
     slots.stage(np.array([3, -1, 0, 2, 1, 1], dtype=np.int32), 8)
     slots.stage(np.array([1, -1, 2], dtype=np.int32), 4)
     assert slots.token_slots[:4].tolist() == [1, -1, 2, -1]
@@ -25,7 +27,36 @@ def test_staged_slots_pad_with_no_adapter_and_indices_view_the_buffer():
 
 def test_the_model_reads_the_buffer_only_while_a_graph_is_captured():
     step = LoRAStep()
-    slots = GraphLoRASlots(step, max_tokens=4, device=torch.device("cpu"))
+    slots = GraphLoRASlots(step, max_tokens=4, device=torch.device("cpu"), num_slots=4)
     with slots.applied(2):
-        assert step.indices is not None and step.indices.num_tokens == 2
+        assert step.indices is not None and step.indices.num_tokens == 2 and not step.indices.grouped
+    with slots.applied(2, grouped=True):
+        assert step.indices.grouped and step.indices.num_slots == 4
     assert step.indices is None
+
+
+def test_staged_rows_are_grouped_by_slot_over_the_graphs_rows_padding_with_the_base_model():
+    slots = GraphLoRASlots(LoRAStep(), max_tokens=8, device=torch.device("cpu"), num_slots=4)
+    slots.stage(np.array([3, -1, 0, 2, 1, 1, 3, 0], dtype=np.int32), 8)
+    slots.stage(np.array([2, -1, 2], dtype=np.int32), 4)  # a graph of 4 rows: row 3 is padding
+    indices = slots.indices(4, grouped=True)
+    assert indices.sorted_rows.tolist() == [0, 2, 1, 3]
+    assert indices.group_starts.tolist() == [0, 0, 0, 2, 2, 4]  # slots 0..3, the base-model rows, the end
+    assert indices.group_starts.data_ptr() == slots.group_starts.data_ptr()
+    assert indices.sorted_rows.data_ptr() == slots.sorted_rows.data_ptr()
+    with pytest.raises(RuntimeError, match="5 tokens staged into a graph of 4 rows"):
+        slots.stage(np.zeros(5, dtype=np.int32), 4)
+
+
+@pytest.mark.parametrize("slots,kernels,grouped", [
+    ([3], "auto", False),  # batch 1: per token
+    ([3, 3], "auto", True),
+    ([0, 1, 2, 3, -1, -1], "auto", False),  # one token per adapter
+    ([0, 0, 1, 1, 2, -1], "auto", False),  # 5 adapter tokens over 3 adapters
+    ([0, 0, 1, 1, 2, 2, -1], "auto", True),
+    ([0, 0, 0, 0], "bgmv", False),
+    ([3], "grouped", True),
+])
+def test_decode_steps_group_by_slot_from_two_tokens_per_adapter_unless_forced(slots, kernels, grouped):
+    assert grouped_decode(np.array(slots, dtype=np.int32), kernels) is grouped
+    assert grouped_decode(None, kernels) is False
