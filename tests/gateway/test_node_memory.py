@@ -172,3 +172,100 @@ def test_the_budget_setting_reaches_the_replicas_of_chat_models_only():
     bounded = model_application(spec, Settings(node_memory_budget_gib=2.5))._bound_deployment
     assert "node_memory_budget_gib" not in plain.init_kwargs
     assert bounded.init_kwargs == {"node_memory_budget_gib": 2.5} and bounded.version != plain.version
+
+
+class _Backend:
+    """Just what ModelServer's wake and push-down paths use of a LocalEngineBackend."""
+
+    def __init__(self, level: int) -> None:
+        self.sleep_level, self.woke, self.slept = level, 0, []
+
+    def stats(self) -> dict:
+        return {"sleep_level": self.sleep_level, "weights_bytes": W, "kv_cache_bytes": K,
+                "host_copy_bytes": W if self.sleep_level == 1 else 0}
+
+    async def wake(self) -> float:
+        self.sleep_level, self.woke = 0, self.woke + 1
+        return 0.1
+
+    async def sleep(self, level: int) -> int:
+        self.slept.append(level)
+        self.sleep_level = level
+        return level
+
+    async def generate(self, request):  # noqa: ANN001
+        yield "token"
+
+    def stop(self) -> None:
+        pass
+
+
+class _Memory:
+    def __init__(self, refuse: str | None = None) -> None:
+        self.refuse, self.push_downs, self.device, self.reported = refuse, 0, CPU, []
+        self.bounded = True
+
+    async def make_room(self, stats, last_used, measure_free):  # noqa: ANN001
+        if self.refuse:
+            raise NoRoomToWake(self.refuse)
+        return []
+
+    async def done_waking(self) -> None:
+        pass
+
+    def report(self, stats, last_used) -> None:  # noqa: ANN001
+        self.reported.append(stats["sleep_level"])
+
+    async def report_now(self, stats, last_used) -> None:  # noqa: ANN001
+        self.report(stats, last_used)
+
+    def close(self) -> None:
+        pass
+
+
+def _server(level: int, memory: _Memory):
+    from gateway.serving.replica import ModelServer
+    from gateway.specs import parse_spec
+
+    server = ModelServer.func_or_class.__new__(ModelServer.func_or_class)
+    server.spec, server.replica, server.backend, server.memory = parse_spec({"name": "m", "source": "x"}), "r-1", \
+        _Backend(level), memory
+    server.ready_at = server.started_at = 0.0
+    server.ongoing, server.wakes, server.last_active, server.last_used = 0, 0, 0.0, 0.0
+    server._sleep_lock = asyncio.Lock()
+    return server
+
+
+async def _served(server) -> list:  # noqa: ANN001
+    return [item async for item in server.generate(object())]
+
+
+def test_a_wake_with_no_room_is_refused_as_unavailable_and_the_engine_stays_asleep():
+    """The replica's refusal reaches the gateway as BackendUnavailable: a 503 with Retry-After (PlatformHeaders)."""
+    from gateway.serving.ray_backend import ReplicaAccepted, ReplicaError
+
+    server = _server(1, _Memory(refuse="it needs 0.68 GiB and 0.29 GiB is left, with no sleeping model left"))
+    accepted, refused = asyncio.run(_served(server))
+    assert isinstance(accepted, ReplicaAccepted) and isinstance(refused, ReplicaError)
+    assert refused.kind == "unavailable"
+    assert refused.message == ("The model `m` could not wake: it needs 0.68 GiB and 0.29 GiB is left, with no "
+                               "sleeping model left")
+    assert server.backend.sleep_level == 1 and server.backend.woke == 0 and server.ongoing == 0
+
+    server = _server(1, _Memory())
+    items = asyncio.run(_served(server))
+    assert items[0].woke_s is not None and items[1:] == ["token"] and server.backend.woke == 1
+    assert server.memory.reported == [0]
+
+
+def test_a_push_down_is_answered_by_the_replica_named_and_only_from_level_1_when_idle():
+    server = _server(1, _Memory())
+    assert asyncio.run(server.push_down("r-other", "w")) is None  # a broadcast: not this one
+    server.ongoing = 1
+    assert asyncio.run(server.push_down("r-1", "w")) is False  # a request is running or waiting for it
+    server.ongoing = 0
+    assert asyncio.run(server.push_down("r-1", "w")) is True
+    assert server.backend.slept == [2] and server.memory.push_downs == 1 and server.memory.reported == [2]
+    assert asyncio.run(server.push_down("r-1", "w")) is False  # at level 2 already
+    awake = _server(0, _Memory())
+    assert asyncio.run(awake.push_down("r-1", "w")) is False and awake.backend.slept == []
