@@ -140,6 +140,12 @@ def test_sleep_returns_the_weights_and_the_kv_pool_and_decode_steps_capture_the_
     _assert_released(llm)
     # the device was given the weights and the KV pool back (and the graphs' pool), not only PyTorch's cache
     assert free_asleep - free_awake >= 0.99 * (weights + kv_pool)
+    # what the node's memory record reads (gateway/serving/node_memory.py): asleep, next to nothing stays reserved
+    stats = llm.engine.stats()
+    assert stats["weights_bytes"] >= weights and stats["kv_cache_bytes"] == kv_pool
+    assert stats["device_reserved_bytes"] < 0.05 * (weights + kv_pool)
+    assert abs(stats["device_free_bytes"] - torch.cuda.mem_get_info()[0]) < 0.01 * stats["device_total_bytes"]
+    assert stats["host_copy_bytes"] == (stats["weights_bytes"] if level == 1 else 0)
     assert llm.wake() > 0
     assert runner.graphs is not None and not runner.graphs.graphs  # the first token waits for no capture
     assert _greedy(llm, prompts) == before
