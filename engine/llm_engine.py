@@ -363,5 +363,6 @@ class LLMEngine:
         snap["load_seconds"] = self.load_seconds
         snap["sleep_level"] = self.sleep_mode.level
         snap["last_wake_seconds"] = self.sleep_mode.last_wake_seconds
+        snap.update(self.sleep_mode.memory())
         return snap
 

@@ -42,6 +42,9 @@ class EngineSleep:
         self.last_sleep_seconds = 0.0
         self.last_wake_seconds = 0.0
         self._pinning: threading.Thread | None = None
+        # the network's bytes on its device (what a level-1 sleep copies to the host), counted once: the same after a
+        # level-2 reload
+        self.weights_bytes = WeightOffload(engine.runner.model, engine.device).nbytes
         if engine.config.enable_sleep_mode and engine.device.type == "cuda":
             self._pinning = threading.Thread(target=self._pin_host_buffer, name="tollgate-sleep-pin", daemon=True)
             self._pinning.start()
@@ -122,10 +125,25 @@ class EngineSleep:
             self._give_back_memory()
             raise
         self._offload = None
+        if engine.device.type != "cuda":  # plain host memory is cheap to allocate again: no second copy kept awake
+            self._host_buffer = None
         self.level = 0
         self.last_wake_seconds = time.perf_counter() - started
         log.info("engine awake in %.2f s", self.last_wake_seconds)
         return self.last_wake_seconds
+
+    def memory(self) -> dict[str, int]:
+        """What the engine holds, for the node's memory record (gateway/serving/node_memory.py): its weights and KV
+        pool when awake, the host copy of a level-1 sleep (kept, pinned, on CUDA between sleeps), and on CUDA the
+        device memory PyTorch reserves in this process and what the device has free (torch.cuda.mem_get_info)."""
+        runner = self.engine.runner
+        out = {"weights_bytes": self.weights_bytes, "kv_cache_bytes": runner.num_blocks * runner.bytes_per_block,
+               "host_copy_bytes": self._host_buffer.numel() if self._host_buffer is not None else 0}
+        if self.engine.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.engine.device)
+            out.update(device_free_bytes=free, device_total_bytes=total,
+                       device_reserved_bytes=torch.cuda.memory_reserved(self.engine.device))
+        return out
 
     def _settle(self) -> None:
         """Reads a step still in flight (async scheduling leaves one after the last request finishes)."""

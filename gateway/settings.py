@@ -61,6 +61,7 @@ class Settings(BaseModel):
     retry_after_s: int = Field(_default("retry_after_s"), ge=1)
     interval_flush_s: float = Field(_default("interval_flush_s"), gt=0)
     registry_refresh_s: float = Field(_default("registry_refresh_s"), gt=0)
+    node_memory_budget_gib: float | None = Field(_default("node_memory_budget_gib"), gt=0)
 
     @classmethod
     def load(cls, **overrides: object) -> "Settings":

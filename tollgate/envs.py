@@ -120,6 +120,11 @@ _DECLARED = [
     Variable("TOLLGATE_REGISTRY_REFRESH_S", float, 1.0,
              "how often gateways look for deployed or deleted models (and the processes of `serve --local "
              "--api-servers N` for adapters another one added or removed)", "platform"),
+    Variable("TOLLGATE_NODE_MEMORY_BUDGET_GIB", float, None,
+             "on a node without a GPU, the memory the model replicas on it may hold together (awake: weights and KV "
+             "pool; asleep at level 1: the weights' host copy); a wake past it first pushes the least recently used "
+             "level-1 sleeper down to level 2, and gets a 503 when none is left (unset: no bound; a GPU's bound is "
+             "its free memory)", "platform"),
     # ---- the engine and kernels -----------------------------------------------------------------
     Variable("TOLLGATE_KERNELS", str, "auto",
              "reference: run the PyTorch reference ops even where the Triton kernels could run (debugging)", "engine",

@@ -18,7 +18,8 @@ STALE_AFTER_S = 10.0  # a replica that stopped posting (gone, or its node) no lo
 # per-replica figures that do not add up across replicas: left out of a model's sum (the gateway measures latency
 # percentiles itself) or worked out again from the sums
 _NOT_ADDED = {"kv_cache_usage", "generation_tokens_per_s", "spec_acceptance_rate", "spec_mean_accepted_length",
-              "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "load_seconds"}
+              "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "load_seconds", "device_free_bytes",
+              "device_total_bytes"}
 
 
 @ray.remote(num_cpus=0)
@@ -59,8 +60,9 @@ def model_totals(replicas: list[dict[str, Any]]) -> dict[str, Any]:
 class StatsPoster:
     """A replica's thread posting its engine's stats to the board every POST_EVERY_S until closed."""
 
-    def __init__(self, model: str, replica: str, read_stats: Any) -> None:
-        self.model, self.replica, self._read = model, replica, read_stats
+    def __init__(self, model: str, replica: str, read_stats: Any, on_post: Any = None) -> None:
+        """`on_post(stats)`: called with each posted value too (the replica's node memory record)."""
+        self.model, self.replica, self._read, self._on_post = model, replica, read_stats, on_post
         self._board = board()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tollgate-stats-poster", daemon=True)
@@ -69,9 +71,12 @@ class StatsPoster:
     def _run(self) -> None:
         while not self._stop.wait(POST_EVERY_S):
             try:
-                self._board.post.remote(self.model, self.replica, self._read())
+                stats = self._read()
+                self._board.post.remote(self.model, self.replica, stats)
             except Exception:  # the board is gone (the platform stopping): nothing to post to
                 return
+            if self._on_post is not None:
+                self._on_post(stats)
 
     def close(self) -> None:
         self._stop.set()

@@ -27,9 +27,14 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
     # replicas are built from: changing the replica bounds or prices updates the running replicas in place
     replica_spec = spec.model_dump(mode="json", exclude={"autoscaling", "pricing"})
     args: tuple[Any, ...] = (replica_spec, settings.db_url, settings.interval_flush_s)
-    if spec.kind != "embedding" and spec.autoscaling.sleep_after_s is not None:
-        args += (spec.autoscaling.sleep_after_s,)
-    version = hashlib.sha256(json.dumps([args, actor_options, _package_version()], sort_keys=True).encode())
+    kwargs: dict[str, Any] = {}
+    if spec.kind != "embedding":
+        if spec.autoscaling.sleep_after_s is not None:
+            args += (spec.autoscaling.sleep_after_s,)
+        if settings.node_memory_budget_gib is not None:  # the bound of its wakes on a CPU node (node_memory.py)
+            kwargs["node_memory_budget_gib"] = settings.node_memory_budget_gib
+    version = hashlib.sha256(json.dumps([args, actor_options, _package_version()] + ([kwargs] if kwargs else []),
+                                        sort_keys=True).encode())
     deployment_options.setdefault("graceful_shutdown_timeout_s", settings.drain_s)
     server = EmbeddingServer if spec.kind == "embedding" else ModelServer
     deployment = server.options(
@@ -41,7 +46,7 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
     # Serve gives every imperative deploy a random code version (a full restart) unless one is set;
     # `options(version=)` is gone, so set the attribute serve.run reads
     deployment._version = version.hexdigest()[:16]
-    return deployment.bind(*args)
+    return deployment.bind(*args, **kwargs)
 
 
 def _package_version() -> str:

@@ -57,6 +57,24 @@ def test_sleep_deepens_from_level_1_to_level_2_and_wakes_from_the_checkpoint(tin
     assert _greedy(tiny_dir_llm) == before  # generate wakes it
 
 
+def test_the_stats_say_what_memory_the_engine_holds_awake_and_at_each_level(tiny_dir_llm):
+    """The node's memory record reads these (gateway/serving/node_memory.py): on CPU no host copy is kept awake."""
+    engine = tiny_dir_llm.engine
+    weights = sum(t.numel() * t.element_size() for t in network_tensors(engine.runner.model))
+    awake = engine.stats()
+    assert awake["weights_bytes"] >= weights and awake["host_copy_bytes"] == 0
+    assert awake["kv_cache_bytes"] == engine.runner.num_blocks * engine.runner.bytes_per_block > 0
+    tiny_dir_llm.sleep(1)
+    assert engine.stats()["host_copy_bytes"] == awake["weights_bytes"]
+    tiny_dir_llm.sleep(2)
+    assert engine.stats()["host_copy_bytes"] == 0 and engine.stats()["weights_bytes"] == awake["weights_bytes"]
+    tiny_dir_llm.wake()
+    tiny_dir_llm.sleep(1)
+    tiny_dir_llm.wake()
+    assert engine.stats()["host_copy_bytes"] == 0  # the level-1 copy went with the wake
+    assert "device_free_bytes" not in engine.stats()
+
+
 def test_sleep_is_refused_while_a_request_is_unfinished_and_nothing_changes(tiny_dir_llm):
     engine = tiny_dir_llm.engine
     engine.add_request("running", [1, 2, 3], GREEDY)
@@ -122,6 +140,12 @@ def test_sleep_returns_the_weights_and_the_kv_pool_and_decode_steps_capture_the_
     _assert_released(llm)
     # the device was given the weights and the KV pool back (and the graphs' pool), not only PyTorch's cache
     assert free_asleep - free_awake >= 0.99 * (weights + kv_pool)
+    # what the node's memory record reads (gateway/serving/node_memory.py): asleep, next to nothing stays reserved
+    stats = llm.engine.stats()
+    assert stats["weights_bytes"] >= weights and stats["kv_cache_bytes"] == kv_pool
+    assert stats["device_reserved_bytes"] < 0.05 * (weights + kv_pool)
+    assert abs(stats["device_free_bytes"] - torch.cuda.mem_get_info()[0]) < 0.01 * stats["device_total_bytes"]
+    assert stats["host_copy_bytes"] == (stats["weights_bytes"] if level == 1 else 0)
     assert llm.wake() > 0
     assert runner.graphs is not None and not runner.graphs.graphs  # the first token waits for no capture
     assert _greedy(llm, prompts) == before

@@ -5,12 +5,14 @@ start (three times in all)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -510,6 +512,106 @@ def test_an_idle_replica_sleeps_and_the_next_request_wakes_it_with_the_same_answ
     finally:
         ops.delete_model(name)
         wait_until(lambda: not _listed_name(platform, name), 30, "the sleepy model to go")
+
+
+LRU_BUDGET_GIB = 1.6  # SmolLM2 here: weights W 0.50 GiB, KV pool K 0.18: two awake (1.35) fit, three asleep (1.50)
+# fit, a wake beside two level-1 sleepers (3W + K = 1.68) does not
+
+
+def test_a_wake_that_needs_memory_pushes_the_least_recently_used_sleeper_down(platform: Platform) -> None:
+    """Three sleepy models on one CPU node under a memory budget (TOLLGATE_NODE_MEMORY_BUDGET_GIB) that fits two
+    awake: the wake that does not fit beside two level-1 sleepers first pushes the least recently used one down to
+    level 2, not the other; wakes that fit push nothing; every model answers with the same greedy tokens throughout
+    (the same weights and question: the same tokens as the first answer); the push-downs show in the replicas' stats
+    and on /metrics; the interval rows tile each replica's life."""
+    from billing.admin_keys import create_admin_key
+    from gateway.serving.node_memory import GIB, node_ledger
+
+    names = ["smollm2-lru-a", "smollm2-lru-b", "smollm2-lru-c"]
+    settings = platform.settings.model_copy(update={"node_memory_budget_gib": LRU_BUDGET_GIB})
+    ledger = node_ledger()
+    question = [{"role": "user", "content": "Name a colour."}]
+    handles: dict[str, object] = {}
+
+    def others_recorded() -> set[str]:
+        return {r.model for r in ray.get(ledger.records.remote(), timeout=10) if r.model not in names}
+
+    def stats(name: str) -> dict:
+        if name not in handles:
+            handles[name] = serve.get_app_handle(model_app_name(name))
+        return handles[name].stats.remote().result(timeout_s=30)  # type: ignore[attr-defined]
+
+    def asleep(name: str) -> None:
+        wait_until(lambda: stats(name)["sleep_level"] >= 1, 60, f"{name} to fall asleep", every=0.25)
+
+    def levels() -> dict[str, tuple[int, int]]:
+        return {n: (stats(n)["sleep_level"], stats(n)["push_downs"]) for n in names}
+
+    def ask(name: str, wakes: bool = True) -> str:
+        r = httpx.post(f"{platform.url}/v1/chat/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {platform.key}"},
+                       json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        assert not wakes or float(r.headers[COLD_START_HEADER]) > 0
+        return r.json()["choices"][0]["message"]["content"]
+
+    # nothing else holds memory on the node: the session's model at zero, other tests' replicas gone
+    wait_until(lambda: not others_recorded(), 60, "the node's memory record to hold no other replica", every=0.5)
+    deployed: list[str] = []
+    try:
+        def deploy(name: str) -> None:
+            spec = test_spec(name, min_replicas=1, downscale_delay_s=600.0, sleep_after_s=1.0)
+            spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"num_cpus": 0.25})})
+            deployed.append(name)
+            ops.deploy_model(platform.db, spec, settings)
+
+        with ThreadPoolExecutor(3) as pool:  # the three replicas start together
+            list(pool.map(deploy, names))
+        for name in names:
+            asleep(name)
+        # least recently used first: none has served yet, so the order they started in
+        by_use = [r.model for r in sorted(ray.get(ledger.records.remote(), timeout=10), key=lambda r: r.last_used)]
+        lru, middle, newest = by_use
+        engine = stats(lru)["engine"]
+        weights, awake = engine["weights_bytes"], engine["weights_bytes"] + engine["kv_cache_bytes"]
+        assert 2 * awake <= LRU_BUDGET_GIB * GIB < 3 * weights + engine["kv_cache_bytes"], (weights, awake)
+        assert levels() == {n: (1, 0) for n in names}
+
+        # the newest wakes beside two level-1 sleepers: the least recently used goes down to level 2, the other stays
+        answers = [ask(newest)]
+        after = levels()
+        assert after[lru] == (2, 1) and after[middle] == (1, 0) and after[newest][1] == 0
+        # the middle one's wake fits (the pushed one holds nothing now): nothing is pushed
+        answers.append(ask(middle))
+        assert {n: lv[1] for n, lv in levels().items()} == {lru: 1, middle: 0, newest: 0}
+        # the pushed one wakes from level 2 beside the other two asleep: the newest, used before the middle, goes down
+        asleep(middle)
+        asleep(newest)
+        answers.append(ask(lru))
+        final = levels()
+        assert final[newest] == (2, 1) and final[middle] == (1, 0) and final[lru][1] == 1
+        assert answers == [answers[0]] * 3  # the same weights and question: the same greedy tokens, pushed or not
+
+        admin = {"Authorization": f"Bearer {create_admin_key(platform.db, 'lru-metrics').key}"}
+
+        def pushed_on_metrics() -> bool:
+            text = httpx.get(f"{platform.url}/metrics", headers=admin, timeout=10).text
+            return all(f'tollgate_engine_sleep_push_downs{{model="{n}"}} 1.0' in text for n in (lru, newest))
+
+        wait_until(pushed_on_metrics, 30, "the push-downs on /metrics", every=0.5)
+
+        def rows() -> list[ReplicaInterval]:
+            return [r for n in names for replica_rows in _intervals(platform.db, n).values() for r in replica_rows]
+
+        wait_until(lambda: {r.model for r in rows() if r.asleep_s > 0} == set(names), 30, "asleep time for each")
+        for row in rows():
+            span = Decimal((row.end - row.start) // timedelta(microseconds=1)).scaleb(-6)
+            assert row.busy_s + row.idle_s + row.asleep_s == span
+    finally:
+        for name in deployed:
+            with contextlib.suppress(KeyError):  # its deploy failed before its application was made
+                ops.delete_model(name)
+        wait_until(lambda: not any(_listed_name(platform, n) for n in names), 60, "the three models to go")
 
 
 def test_sigterm_drains_the_platform_then_stops_it(platform: Platform) -> None:
