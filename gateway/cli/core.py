@@ -94,9 +94,9 @@ def cmd_settings(args: argparse.Namespace, _: Settings) -> int:
     if args.json:
         print_rows(rows, True)
         return 0
-    shown = [{"variable": r["name"], "type": r["type"], "default": "" if r["default"] is None else r["default"],
-              "value": "" if r["value"] is None else r["value"], "set": "yes" if r["set"] else "", "help": r["help"]}
-             for r in rows]
+    # unset shows as the table's missing mark, not as an empty string
+    shown = [{"variable": r["name"], "type": r["type"], "default": r["default"], "value": r["value"],
+              "set": "yes" if r["set"] else "no", "help": r["help"]} for r in rows]
     print_rows(shown, False)
     return 0
 

@@ -112,6 +112,9 @@ def test_platform_settings_lists_every_variable_with_its_value(monkeypatch, caps
     assert set(rows) == set(envs.VARIABLES)
     assert rows["TOLLGATE_PORT"]["value"] == 8123 and rows["TOLLGATE_PORT"]["set"]
     assert rows["TOLLGATE_ADMIN_KEY"]["value"] == "(set)"  # secrets are not printed
+    monkeypatch.delenv("TOLLGATE_DATABASE_URL", raising=False)
     assert main(["settings"]) == 0
     text = capsys.readouterr().out
     assert "TOLLGATE_DRAIN_S" in text and "tg-secret-admin" not in text
+    unset = next(line for line in text.splitlines() if line.startswith("TOLLGATE_DATABASE_URL "))
+    assert unset.split()[2:5] == ["(none)", "(none)", "no"]  # an unset variable reads as unset, not as ""
