@@ -16,6 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_configs import (
+    bgmv_expand_config,
+    bgmv_expand_silu_config,
+    expand_rank_block,
+    grouped_expand_config,
+    grouped_expand_silu_config,
+)
 from kernels.lora_indices import LoRAIndices
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.punica_shrink import SplitShrunk
@@ -249,40 +256,46 @@ def sgmv_expand_(y: torch.Tensor, shrunk: torch.Tensor, b_stack: torch.Tensor, i
 
 
 def bgmv_expand_(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
-                 slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int) -> None:
+                 slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, *,
+                 block_n: int | None = None, num_warps: int | None = None) -> None:
+    """The keywords override kernels/lora_configs.py's bgmv_expand_config (None: its default)."""
     if y.shape[0] == 0:
         return
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_n = 128
+    widest = _widest_slice(slice_offsets_host)
+    cfg = bgmv_expand_config(widest, rank, block_n=block_n, num_warps=num_warps)
+    block_r = expand_rank_block(rank)
     partials = shrunk.partials
-    grid = (y.shape[0], len(slice_offsets_host) - 1, triton.cdiv(_widest_slice(slice_offsets_host), block_n))
+    grid = (y.shape[0], len(slice_offsets_host) - 1, triton.cdiv(widest, cfg.block_n))
     _bgmv_expand_kernel[grid](
         y, partials, b_stack, indices.token_slots, slice_offsets, rank, partials.shape[0], partials.shape[2] - 1,
         shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
         y.stride(0), y.stride(1), partials.stride(0), partials.stride(1), partials.stride(2),
         b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=4, **launch_options(y),
+        BLOCK_N=cfg.block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=cfg.num_warps,
+        **launch_options(y),
     )
 
 
 def bgmv_expand_silu_and_mul(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
-                             rank: int) -> torch.Tensor:
+                             rank: int, *, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """silu(gate) * up of a fused gate|up projection's output y [T, 2N], each token's LoRA term added to both halves
     first (slices 0 and 1 of the shrunk rows and b_stack [S, 2N, R]) -> [T, N]: the expand and the SiLU product in
-    one kernel, base-model tokens' rows taking the product alone."""
+    one kernel, base-model tokens' rows taking the product alone. The keywords override kernels/lora_configs.py's
+    bgmv_expand_silu_config (None: its default)."""
     num_tokens, n = y.shape[0], y.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=y.dtype, device=y.device)
     if num_tokens == 0 or n == 0:
         return out
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_n = 128
+    cfg = bgmv_expand_silu_config(n, rank, block_n=block_n, num_warps=num_warps)
+    block_r = expand_rank_block(rank)
     partials = shrunk.partials
-    _bgmv_expand_silu_kernel[(num_tokens, triton.cdiv(n, block_n))](
+    _bgmv_expand_silu_kernel[(num_tokens, triton.cdiv(n, cfg.block_n))](
         y, out, partials, b_stack, indices.token_slots, n, rank, partials.shape[0], partials.shape[2] - 1,
         shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1), partials.stride(0), partials.stride(1),
         partials.stride(2), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=4, **launch_options(y),
+        BLOCK_N=cfg.block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, num_warps=cfg.num_warps,
+        **launch_options(y),
     )
     return out
 
@@ -299,45 +312,50 @@ def _check_grouped(indices: LoRAIndices, b_stack: torch.Tensor, num_tokens: int)
 
 
 def grouped_expand_(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
-                    slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int) -> None:
-    """bgmv_expand_ in the grouped form: each program reads one block of one slot's B for all of the slot's tokens."""
+                    slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, *,
+                    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> None:
+    """bgmv_expand_ in the grouped form: each program reads one block of one slot's B for all of the slot's tokens.
+    The keywords override kernels/lora_configs.py's grouped_expand_config (None: its default)."""
     _check_grouped(indices, b_stack, y.shape[0])
     if y.shape[0] == 0 or b_stack.shape[0] == 0:
         return
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_n = 128
+    widest = _widest_slice(slice_offsets_host)
+    cfg = grouped_expand_config(widest, rank, block_m=block_m, block_n=block_n, num_warps=num_warps)
+    block_r = expand_rank_block(rank)
     partials = shrunk.partials
-    grid = (b_stack.shape[0], len(slice_offsets_host) - 1, triton.cdiv(_widest_slice(slice_offsets_host), block_n))
+    grid = (b_stack.shape[0], len(slice_offsets_host) - 1, triton.cdiv(widest, cfg.block_n))
     _grouped_expand_kernel[grid](
         y, partials, b_stack, indices.sorted_rows, indices.group_starts, slice_offsets, rank, partials.shape[0],
         partials.shape[2] - 1, shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
         y.stride(0), y.stride(1), partials.stride(0), partials.stride(1), partials.stride(2),
         b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, PRECISION=_precision(y.dtype),
-        num_warps=4, **launch_options(y),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None,
+        PRECISION=_precision(y.dtype), num_warps=cfg.num_warps, **launch_options(y),
     )
 
 
 def grouped_expand_silu_and_mul(y: torch.Tensor, shrunk: SplitShrunk, b_stack: torch.Tensor, indices: LoRAIndices,
-                                rank: int) -> torch.Tensor:
+                                rank: int, *, block_m: int | None = None, block_n: int | None = None,
+                                num_warps: int | None = None) -> torch.Tensor:
     """bgmv_expand_silu_and_mul in the grouped form: one program per (slot, block of N columns) adds the slot's
     tokens' LoRA terms to both halves and writes the product; one more group of programs writes the base-model
-    rows' product alone."""
+    rows' product alone. The keywords override kernels/lora_configs.py's grouped_expand_silu_config (None: its
+    default)."""
     _check_grouped(indices, b_stack, y.shape[0])
     num_tokens, n = y.shape[0], y.shape[1] // 2
     out = torch.empty(num_tokens, n, dtype=y.dtype, device=y.device)
     if num_tokens == 0 or n == 0:
         return out
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_n = 128
+    cfg = grouped_expand_silu_config(n, rank, block_m=block_m, block_n=block_n, num_warps=num_warps)
+    block_r = expand_rank_block(rank)
     partials = shrunk.partials
     num_slots = b_stack.shape[0]
-    _grouped_expand_silu_kernel[(num_slots + 1, triton.cdiv(n, block_n))](
+    _grouped_expand_silu_kernel[(num_slots + 1, triton.cdiv(n, cfg.block_n))](
         y, out, partials, b_stack, indices.sorted_rows, indices.group_starts, n, rank, num_slots, partials.shape[0],
         partials.shape[2] - 1, shrunk.k, 0.0 if shrunk.eps is None else shrunk.eps,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1), partials.stride(0), partials.stride(1),
         partials.stride(2), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None, PRECISION=_precision(y.dtype),
-        num_warps=4, **launch_options(y),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, NORM=shrunk.eps is not None,
+        PRECISION=_precision(y.dtype), num_warps=cfg.num_warps, **launch_options(y),
     )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_configs import bgmv_shrink_config, grouped_shrink_config, split_layout
 from kernels.lora_indices import LoRAIndices
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.segment_grid import segment_grid
@@ -167,61 +168,57 @@ def sgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices) ->
 
 
 def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
-                norm: tuple[torch.Tensor, float] | None = None) -> SplitShrunk:
+                norm: tuple[torch.Tensor, float] | None = None, *, block_r: int | None = None,
+                block_k: int | None = None, num_warps: int | None = None) -> SplitShrunk:
     """Token-wise x @ a_stack[token_slots[t]]^T (of rms_norm(x, *norm) with a norm: the base projection's fused
     one), K split over programs (few tokens would otherwise leave most of the GPU idle) whose partial sums the expand
-    adds up: no zero-filled buffer, no atomics, the same sum in every run."""
+    adds up: no zero-filled buffer, no atomics, the same sum in every run. split_k and the keywords override
+    kernels/lora_configs.py's bgmv_shrink_config (None: its default)."""
     num_tokens, k = x.shape
     r = a_stack.shape[1]
-    block_r = max(16, min(64, triton.next_power_of_2(r)))
-    block_k = 256
-    if split_k is None:  # about 128 programs in all
-        split_k = max(1, min(triton.cdiv(k, block_k), 128 // max(1, num_tokens * triton.cdiv(r, block_r))))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    num_splits = triton.cdiv(k, k_per_split)
+    cfg = bgmv_shrink_config(num_tokens, k, r, split_k=split_k, block_r=block_r, block_k=block_k,
+                             num_warps=num_warps)
+    k_per_split, num_splits = split_layout(k, cfg.split_k, cfg.block_k)
     out = torch.empty(num_splits, num_tokens, r + 1, dtype=torch.float32, device=x.device)
     shrunk = SplitShrunk(out, k, None if norm is None else float(norm[1]))
     if num_tokens == 0:
         return shrunk
     norm_weight = x if norm is None else norm[0]
-    _bgmv_shrink_kernel[(num_tokens, triton.cdiv(r, block_r), num_splits)](
+    _bgmv_shrink_kernel[(num_tokens, triton.cdiv(r, cfg.block_r), num_splits)](
         x, a_stack, norm_weight, out, indices.token_slots, k, r, k_per_split,
         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_R=block_r, BLOCK_K=block_k, NORM=norm is not None, num_warps=4, **launch_options(x),
+        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None, num_warps=cfg.num_warps,
+        **launch_options(x),
     )
     return shrunk
 
 
-GROUPED_MAX_SPLITS = 8  # the expand adds up every split's partial sums once per block of its columns
-
-
 def grouped_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
-                   norm: tuple[torch.Tensor, float] | None = None) -> SplitShrunk:
+                   norm: tuple[torch.Tensor, float] | None = None, *, block_m: int | None = None,
+                   block_r: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None) -> SplitShrunk:
     """bgmv_shrink's result (the same SplitShrunk) from the grouped form: one program per (slot, block of ranks,
     split of K), each reading its slot's A once for all of the slot's tokens. The grid is fixed by the pool's size
-    (a_stack's first dimension) and the shapes, whatever slots the step uses."""
+    (a_stack's first dimension) and the shapes, whatever slots the step uses. split_k and the keywords override
+    kernels/lora_configs.py's grouped_shrink_config (None: its default)."""
     num_tokens, k = x.shape
     num_slots, r = a_stack.shape[0], a_stack.shape[1]
     if indices.sorted_rows is None or indices.num_slots != num_slots:
         raise ValueError(f"grouped_shrink needs the grouped form of {num_slots} slots")
-    block_r = max(16, min(64, triton.next_power_of_2(r)))
-    block_k = 128
-    rank_blocks = triton.cdiv(r, block_r)
-    if split_k is None:  # about 128 programs over the slots, at most GROUPED_MAX_SPLITS splits
-        split_k = max(1, min(triton.cdiv(k, block_k), GROUPED_MAX_SPLITS, 128 // max(1, num_slots * rank_blocks)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    num_splits = triton.cdiv(k, k_per_split)
+    cfg = grouped_shrink_config(num_slots, k, r, split_k=split_k, block_m=block_m, block_r=block_r,
+                                block_k=block_k, num_warps=num_warps)
+    k_per_split, num_splits = split_layout(k, cfg.split_k, cfg.block_k)  # K_PER_SPLIT: a multiple of BLOCK_K
     out = torch.empty(num_splits, num_tokens, r + 1, dtype=torch.float32, device=x.device)
     shrunk = SplitShrunk(out, k, None if norm is None else float(norm[1]))
     if num_tokens == 0 or num_slots == 0:
         return shrunk
     norm_weight = x if norm is None else norm[0]
-    _grouped_shrink_kernel[(num_slots, rank_blocks, num_splits)](
+    _grouped_shrink_kernel[(num_slots, triton.cdiv(r, cfg.block_r), num_splits)](
         x, a_stack, norm_weight, out, indices.sorted_rows, indices.group_starts, k, r, k_per_split,
         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, NORM=norm is not None, PRECISION=_precision(x.dtype),
-        num_warps=4, **launch_options(x),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None,
+        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, **launch_options(x),
     )
     return shrunk
