@@ -54,47 +54,49 @@ def split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 BGMV_PROGRAMS = 128  # the per-token shrink's default split aims at about this many programs
 GROUPED_PROGRAMS = 128  # and the grouped one's, over the slot pool
-GROUPED_MAX_SPLITS = 8  # the grouped expand adds up every split's partial sums once per block of its columns
+GROUPED_MAX_SPLITS = 32  # the grouped expand adds up every split's partial sums once per block of its columns
+# the inputs one split of a shrink covers by default: the sweep's best shrink + expand pairs on the H200 split K into
+# 512s at batch 1 (BGMV) and at 64 tokens over 16 adapters (grouped), docs/benchmarks/lora.md, 2026-12-03
+K_PER_SPLIT = 512
 
 
 def bgmv_shrink_config(num_tokens: int, k: int, r: int, *, split_k: int | None = None, block_r: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None) -> ShrinkConfig:
     """Per-token shrink of num_tokens rows of K inputs onto R' ranks."""
-    block_r = block_r or rank_block(r)
+    block_r = block_r or 16
     block_k = block_k or 256
-    if split_k is None:  # about BGMV_PROGRAMS programs in all
-        split_k = max(1, min(_cdiv(k, block_k), BGMV_PROGRAMS // max(1, num_tokens * _cdiv(r, block_r))))
-    return ShrinkConfig(split_k, block_r, block_k, num_warps or 4)
+    if split_k is None:  # K in K_PER_SPLIT pieces, within about BGMV_PROGRAMS programs in all
+        split_k = max(1, min(_cdiv(k, K_PER_SPLIT), BGMV_PROGRAMS // max(1, num_tokens * _cdiv(r, block_r))))
+    return ShrinkConfig(split_k, block_r, block_k, num_warps or 8)
 
 
 def grouped_shrink_config(num_slots: int, k: int, r: int, *, split_k: int | None = None, block_m: int | None = None,
                           block_r: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None) -> ShrinkConfig:
     """Grouped shrink over a pool of num_slots slots, K inputs onto R' ranks."""
-    block_r = block_r or rank_block(r)
+    block_r = block_r or 16
     block_k = block_k or 128
-    if split_k is None:  # about GROUPED_PROGRAMS programs over the slots, at most GROUPED_MAX_SPLITS splits
-        split_k = max(1, min(_cdiv(k, block_k), GROUPED_MAX_SPLITS,
-                             GROUPED_PROGRAMS // max(1, num_slots * _cdiv(r, block_r))))
+    if split_k is None:  # K in K_PER_SPLIT pieces, at most GROUPED_MAX_SPLITS
+        split_k = max(1, min(_cdiv(k, K_PER_SPLIT), GROUPED_MAX_SPLITS))
     return ShrinkConfig(split_k, block_r, block_k, num_warps or 4, block_m or 16)
 
 
 def bgmv_expand_config(n: int, rank: int, *, block_n: int | None = None,
                        num_warps: int | None = None) -> ExpandConfig:
     """Per-token expand onto a projection of n output columns (the widest slice's)."""
-    return ExpandConfig(block_n or 128, num_warps or 4)
+    return ExpandConfig(block_n or 64, num_warps or 4)
 
 
 def bgmv_expand_silu_config(n: int, rank: int, *, block_n: int | None = None,
                             num_warps: int | None = None) -> ExpandConfig:
     """Per-token expand of gate|up with the SiLU product, n columns per half."""
-    return ExpandConfig(block_n or 128, num_warps or 4)
+    return ExpandConfig(block_n or 256, num_warps or 4)
 
 
 def grouped_expand_config(n: int, rank: int, *, block_m: int | None = None, block_n: int | None = None,
                           num_warps: int | None = None) -> ExpandConfig:
     """Grouped expand onto a projection of n output columns (the widest slice's)."""
-    return ExpandConfig(block_n or 128, num_warps or 4, block_m or 16)
+    return ExpandConfig(block_n or 256, num_warps or 4, block_m or 16)
 
 
 def grouped_expand_silu_config(n: int, rank: int, *, block_m: int | None = None, block_n: int | None = None,
