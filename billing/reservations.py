@@ -338,8 +338,9 @@ def apply_in(conn: Connection, db: Engine, changes: CounterChanges) -> None:
              "reserved_usd": changes.reserved.get((s, i, p), 0)} for s, i, p in counters])
     windows = sorted({k for k, n in changes.tokens.items() if n} | {k for k, n in changes.requests.items() if n})
     if windows:
-        conn.execute(_sql(db).add_to_windows, [{"api_key_id": k, "minute": m, "requests": changes.requests.get((k, m), 0),
-                                                "tokens": changes.tokens.get((k, m), 0)} for k, m in windows])
+        conn.execute(_sql(db).add_to_windows, [
+            {"api_key_id": k, "minute": m, "requests": changes.requests.get((k, m), 0),
+             "tokens": changes.tokens.get((k, m), 0)} for k, m in windows])
 
 
 def sweep_orphans(db: Engine, now: float | None = None) -> int:

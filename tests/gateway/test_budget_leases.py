@@ -37,7 +37,7 @@ def _event(rid, p, cost, tokens=0) -> UsageEvent:
 
 
 def _run(limiter: Limiter, ledger: Ledger, p, worst_usd, cost_usd, worst_tokens=0, tokens=0):
-    """One request: admitted, finished at `cost_usd` (its hold shrinks), its event recorded. Its id, or None if refused."""
+    """One request: admitted, its hold shrunk to `cost_usd`, its event recorded. Its id, or None if refused."""
     rid = f"r{next(_ids)}"
     try:
         limiter.admit(p, rid, Worst(Decimal(worst_usd), worst_tokens), model="m", endpoint="chat.completions")
