@@ -4,10 +4,17 @@ save_pretrained writes them, and peft's own model over them as the reference."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# three adapters of different ranks and targets over one base: the mixed batches of the CUDA-graph and grouped-kernel tests
+MIXED_ADAPTERS = {  # name -> (rank, alpha, targets)
+    "qv-r8": (8, 16, ["q_proj", "v_proj"]),
+    "all-r16": (16, 32, ALL_TARGETS),
+    "mlp-r4": (4, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
 
 
 def write_peft_adapter(base_model, out_dir: str, r: int, alpha: float, targets: list[str], seed: int,
@@ -31,3 +38,14 @@ def peft_reference(base_model, adapter_dir: str):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(copy.deepcopy(base_model), adapter_dir).eval()
+
+
+def save_base_and_mixed_adapters(root: Path) -> tuple[str, dict[str, str]]:
+    """A tiny random Llama saved under root/base and MIXED_ADAPTERS for it: (the base's dir, name -> adapter dir)."""
+    from tests.engine.conftest import tiny_hf_model
+
+    base = tiny_hf_model("llama")
+    base.save_pretrained(root / "base")
+    adapters = {name: write_peft_adapter(base, str(root / name), r, alpha, targets, seed=i)
+                for i, (name, (r, alpha, targets)) in enumerate(MIXED_ADAPTERS.items())}
+    return str(root / "base"), adapters

@@ -7,27 +7,16 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import tiny_hf_model
-from tests.engine.lora_helpers import ALL_TARGETS, write_peft_adapter
+from tests.engine.lora_helpers import save_base_and_mixed_adapters
 
 pytestmark = pytest.mark.gpu
 
-ADAPTERS = {  # name -> (rank, alpha, targets)
-    "qv-r8": (8, 16, ["q_proj", "v_proj"]),
-    "all-r16": (16, 32, ALL_TARGETS),
-    "mlp-r4": (4, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
-}
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def base_and_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-graphs")
-    base = tiny_hf_model("llama")
-    base.save_pretrained(root / "base")
-    adapters = {name: write_peft_adapter(base, str(root / name), r, alpha, targets, seed=i)
-                for i, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items())}
-    return str(root / "base"), adapters
+    return save_base_and_mixed_adapters(tmp_path_factory.mktemp("lora-graphs"))
 
 
 def _llm(base_dir: str, adapters: dict[str, str], eager: bool, decode_kernels: str = "auto") -> LLM:

@@ -13,8 +13,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from tests.engine.conftest import tiny_hf_model
-from tests.engine.lora_helpers import ALL_TARGETS, write_peft_adapter
+from tests.engine.lora_helpers import save_base_and_mixed_adapters
 from tests.engine.test_lora_peft_parity import _run
 
 pytestmark = [
@@ -22,21 +21,11 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the LoRA kernels in the interpreter"),
 ]
 
-ADAPTERS = {  # name -> (rank, alpha, targets)
-    "qv-r8": (8, 16, ["q_proj", "v_proj"]),
-    "all-r16": (16, 32, ALL_TARGETS),
-    "mlp-r4": (4, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
-}
 
 
 @pytest.fixture(scope="module")
 def base_and_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-grouped")
-    base = tiny_hf_model("llama")
-    base.save_pretrained(root / "base")
-    adapters = {name: write_peft_adapter(base, str(root / name), r, alpha, targets, seed=i)
-                for i, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items())}
-    return str(root / "base"), adapters
+    return save_base_and_mixed_adapters(tmp_path_factory.mktemp("lora-grouped"))
 
 
 @pytest.fixture
