@@ -56,11 +56,16 @@ class RateLimitHeaders:
         return out
 
 
+def asks_scoped(p: Principal, end_user: str | None, tags: Sequence[str]) -> bool:
+    """Whether the tenant's end-user or tag budgets may apply (reading them takes SQL; they are never leased)."""
+    return p.scoped_budgets and (end_user is not None or bool(tags))
+
+
 def budgets_of(p: Principal, engine: Engine, end_user: str | None, tags: Sequence[str]) -> Budgets:
     """The limits that apply: the key's and the tenant's, and the tenant's budgets for this end user and tags
     (looked up only for a tenant that has such budgets)."""
     scoped: tuple[ScopedLimit, ...] = ()
-    if p.scoped_budgets and (end_user is not None or tags):
+    if asks_scoped(p, end_user, tags):
         with engine.connect() as conn:
             scoped = applicable(conn, p.tenant_id, end_user, tags)
     return Budgets(p.tenant_id, p.key_id, p.key_budget_usd, p.tenant_budget_usd, p.rpm, p.tpm, scoped)
@@ -101,7 +106,7 @@ class Limiter:
                          tags: Sequence[str] = ()) -> RateLimitHeaders | None | bool:
         """admit() from a budget lease in memory, on the event loop (no SQL, no thread): the rate-limit headers, or
         False when no lease fits (then admit_async())."""
-        if self.leases is None or (p.scoped_budgets and (end_user is not None or tags)):
+        if self.leases is None or asks_scoped(p, end_user, tags):
             return False
         return self._from_lease(p, budgets_of(p, self._engine, end_user, tags), request_id, worst, time.time())
 
@@ -138,7 +143,7 @@ class Limiter:
         """`admit()` from the event loop: through the admission writer where there is one (SQLite), else in a worker
         thread. A caller cancelled while its reservation is being written gets it released."""
         now = time.time()
-        scoped = p.scoped_budgets and (end_user is not None or tags)
+        scoped = asks_scoped(p, end_user, tags)
         if self.leases is not None and not scoped:
             budgets = budgets_of(p, self._engine, end_user, tags)
             leased = self._from_lease(p, budgets, request_id, worst, now)
