@@ -52,7 +52,7 @@ class IntervalRecorder:
         self._lock = threading.Lock()
         self._last_us = _micros(time.time() if started_at is None else started_at)
         self._last_busy_us = 0
-        self._last_by: dict[str | None, float] = {}
+        self._attributed: dict[str | None, float] = {}  # busy seconds written to each account's shares so far
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rows_written = 0
@@ -72,8 +72,10 @@ class IntervalRecorder:
             asleep_total = _micros(self._asleep()) if self._asleep is not None else 0
             asleep = min(span - busy, max(0, asleep_total - self._last_asleep_us))
             idle = span - busy - asleep
-            grew = {a: v - self._last_by.get(a, 0.0) for a, v in by_account.items()}
-            shares = split_interval(busy, idle, grew)
+            # a row's busy time goes to the accounts whose busy time has not been written yet, so what a full row
+            # carries into the next goes to whoever ran it there too
+            owed = {a: o for a, v in by_account.items() if (o := v - self._attributed.get(a, 0.0)) > 5e-7}
+            shares = split_interval(busy, idle, owed)
             row = {"model": self._model, "replica": self._replica, "start": _at(self._last_us),
                    "end": _at(self._last_us + span), "busy_s": _seconds(busy), "idle_s": _seconds(idle),
                    "asleep_s": _seconds(asleep)}
@@ -93,7 +95,8 @@ class IntervalRecorder:
             self._last_us += span
             self._last_busy_us += busy
             self._last_asleep_us += asleep
-            self._last_by = dict(by_account)
+            for account, (account_busy, _) in shares.items():
+                self._attributed[account] = self._attributed.get(account, 0.0) + account_busy / 1_000_000
             self.rows_written += 1
 
     def close(self) -> None:

@@ -37,6 +37,22 @@ def test_idle_goes_to_the_tenants_that_kept_the_replica_busy_and_else_to_no_tena
     assert split_interval(10, 0, {"a": 0.0}) == {None: (10, 0)}  # busy with nothing counted: no tenant
 
 
+def test_busy_time_a_row_carries_into_the_next_stays_with_the_tenant_that_ran_it(db) -> None:
+    a = create_tenant(db, "acme")
+    record_deployments(db, [{"name": "m", "pricing": {"gpu_hour": 3.6}}])
+    busy = {"total": 1.5, "by": {a.uid: 1.5}}  # a step longer than the first row's span, counted when it ended
+    rec = IntervalRecorder(db, "m", "r1", lambda: (busy["total"], dict(busy["by"])), started_at=time.time() - 1.0)
+    rec.flush()
+    time.sleep(0.6)
+    rec.flush()
+    with db.connect() as conn:
+        rows = conn.execute(select(ReplicaInterval).order_by(ReplicaInterval.start)).all()
+        shares = conn.execute(select(GpuShare)).all()
+    assert len(rows) == 2 and rows[0].busy_s < Decimal("1.5") and sum(r.busy_s for r in rows) == Decimal("1.5")
+    assert {s.tenant_uid for s in shares if s.busy_s} == {a.uid}
+    assert sum(s.busy_s for s in shares) == Decimal("1.5")
+
+
 def _micros(dt) -> int:  # type: ignore[no-untyped-def]
     return round(dt.timestamp() * 1_000_000)
 

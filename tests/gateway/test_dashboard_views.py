@@ -328,9 +328,16 @@ def test_overview_shows_the_semantic_cache_and_the_prefix_cache_apart(client):
     assert shown == {"semantic-hit-rate": f"{hits / requests * 100:.1f}%", "semantic-hits": f"{hits:,}",
                      "semantic-saved": usd(semantic), "prefix-tokens": f"{prefix_tokens:,}",
                      "prefix-saved": usd(prefix)}
-    # each saving sits on its own card: the semantic cache's hits never next to the prefix cache's dollars
+    # each saving sits on its own card (the semantic cache's hits never next to the prefix cache's dollars), and the
+    # only dollar figures above the chart are the day's and the month's spend and the two savings, never their sum
+    def dollars(html: str) -> list[str]:
+        return re.findall(r"\$[0-9][0-9,]*(?:\.[0-9]+)?", html)
+
     semantic_card = page.split('id="semantic-cache"')[1].split('id="prefix-cache"')[0]
-    assert usd(prefix) not in semantic_card and usd(semantic + prefix) not in page.split('id="spend-chart"')[0]
+    prefix_card = page.split('id="prefix-cache"')[1].split('<div class="card"')[0]
+    assert dollars(semantic_card) == [usd(semantic)] and dollars(prefix_card) == [usd(prefix)]
+    spend = [re.search(rf'id="spend-{when}">([^<]+)<', page).group(1) for when in ("today", "month")]
+    assert sorted(dollars(page.split('id="spend-chart"')[0])) == sorted([*spend, usd(semantic), usd(prefix)])
 
 
 def _by(events: list[Seed], key: Callable[[Seed], Any]) -> dict[Any, list[Seed]]:
