@@ -43,11 +43,16 @@ install-test: $(TEST_STAMP)
 up: install
 	$(BIN)/platform up $(if $(PORT),--port $(PORT))
 
+# two workers, each test file on one of them (a file's module and session fixtures, a Ray cluster among them, are
+# set up once per worker); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: install-test
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info

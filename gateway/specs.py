@@ -94,6 +94,13 @@ class Resources(BaseModel):
             raise ValueError("".join(f"{p}\n" for p in problems))  # one line a key: _problems names each
         return v
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus_over_one(cls, v: float) -> float:
+        if v > 1 and v != int(v):
+            raise ValueError(f"a share of more than one GPU must be a whole number of GPUs (Ray's rule), got {v:g}")
+        return v
+
 
 class Autoscaling(BaseModel):
     """Ray Serve's autoscaling_config fields that a spec may set."""
@@ -120,6 +127,12 @@ class Autoscaling(BaseModel):
             raise ValueError(f"max_replicas: must be >= min_replicas ({self.min_replicas}), got {self.max_replicas}")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas: must lie between min_replicas and max_replicas")
+        ends_after = self.downscale_to_zero_delay_s if self.downscale_to_zero_delay_s is not None else \
+            self.downscale_delay_s
+        if self.sleep_after_s is not None and self.min_replicas == 0 and self.sleep_after_s >= ends_after:
+            which = "downscale_to_zero_delay_s" if self.downscale_to_zero_delay_s is not None else "downscale_delay_s"
+            raise ValueError(f"sleep_after_s: {self.sleep_after_s:g} s is not less than {which} ({ends_after:g} s): "
+                             "with min_replicas 0 an idle replica ends before it would sleep")
         return self
 
     def serve_config(self) -> dict[str, Any]:

@@ -67,8 +67,7 @@ def register(sub: Any) -> None:
 def _with_flags(args: argparse.Namespace, settings: Settings, **flags: object) -> Settings:
     values = {"ray_address": getattr(args, "address", None), **flags}
     settings = settings.model_copy(update={k: v for k, v in values.items() if v is not None})
-    if settings.ray_address is None:  # this home's own platform, reached by its recorded address
-        use_local_token_auth()
+    use_local_token_auth(settings.ray_address)  # this home's own platform (its recorded address) or --address
     return settings
 
 
@@ -240,6 +239,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     flat = [{k: "" if v is None else v for k, v in r.items()} for r in rows]
     for r in flat:
         r["replicas"] = ", ".join(f"{k}={v}" for k, v in r["replicas"].items()) or "0"
+        r["sleep_levels"] = ",".join(map(str, r.get("sleep_levels") or [])) or "-"
     print_rows(flat, False)
     return 0
 

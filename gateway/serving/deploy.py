@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from billing.deployments import deployment, record_deployments
+from gateway.serving.cluster_fit import node_shortfall
 from gateway.serving.errors import NoPlatform
 from gateway.serving.model_app import model_application
 from gateway.serving.names import model_app_name
@@ -98,20 +99,11 @@ def deploy_model(db: Engine, spec: ModelSpec, settings: Settings, *, check: bool
 
 
 def resource_shortfall(spec: ModelSpec) -> str | None:
-    """Why no node of the cluster as it is now could hold one replica (None when one can). A cluster that
-    autoscales may still add such a node, so this warns and does not refuse."""
-    import ray
-
-    need = {"GPU": spec.resources.num_gpus, "CPU": spec.resources.num_cpus, **spec.resources.custom}
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if any(all(node.get(k, 0.0) >= v for k, v in need.items() if v) for node in nodes):
-        return None
-    most = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in need}
-    custom = "".join(f", {v:g} {k}" for k, v in spec.resources.custom.items())
-    has = "".join(f", {most[k]:g} {k}" for k in spec.resources.custom)
-    return (f"no node of this cluster has {need['GPU']:g} GPUs and {need['CPU']:g} CPUs{custom} for one replica (the "
-            f"largest has {most['GPU']:g} GPUs, {most['CPU']:g} CPUs{has}): its replicas start only once the cluster "
-            "adds such a node, and requests wait for the cold-start bound")
+    """A deploy's warning when no node could hold one replica. A cluster that autoscales may still add such a node,
+    so this warns and does not refuse."""
+    shortfall = node_shortfall(spec)
+    return None if shortfall is None else (f"{shortfall}: its replicas start only once the cluster adds such a node, "
+                                           "and requests wait for the cold-start bound")
 
 
 def deploy_unavailable(db: Engine, spec: ModelSpec, settings: Settings) -> None:

@@ -23,6 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import PromptTooLongError
 from gateway.backends import BackendInfo, BackendState, BackendUnavailable, GenerationChunk, GenerationRequest
+from gateway.serving.cluster_fit import node_shortfall
+from gateway.specs import ModelSpec
 
 log = logging.getLogger("tollgate.ray_backend")
 
@@ -80,7 +82,8 @@ class ReplicaError:
 class ModelCounters:
     ongoing: int = 0  # requests between the call and their end
     waiting_for_replica: int = 0
-    cold_starts: int = 0
+    cold_starts: int = 0  # requests that waited for a replica to start or to wake
+    wakes: int = 0  # of those, the ones that woke a sleeping replica (autoscaling.sleep_after_s)
     cold_start_timeouts: int = 0
     last_cold_start_s: float | None = None
     failed: int = 0
@@ -96,6 +99,7 @@ class RayModelBackend:
         self.max_model_len = max_model_len
         self.cold_start_timeout_s = cold_start_timeout_s
         # kept current by the gateway's model registry
+        self.spec: ModelSpec | None = None
         self.state: BackendState = "scaled_to_zero"
         self.reason: str | None = None
         self.replica_states: dict[str, int] = {}
@@ -159,6 +163,7 @@ class RayModelBackend:
             if accepted.ready_at > sent or accepted.woke_s is not None:
                 waited = time.time() - sent if accepted.ready_at > sent else accepted.woke_s
                 c.cold_starts += 1
+                c.wakes += accepted.ready_at <= sent
                 c.last_cold_start_s = waited
                 notes = _request_notes.get()
                 if notes is not None:
@@ -214,12 +219,27 @@ class RayModelBackend:
                     raise BackendUnavailable(f"The model `{self.name}` is unavailable: {self.reason}")
                 if time.monotonic() >= deadline:
                     self.counters.cold_start_timeouts += 1
+                    why = await self._why_no_replica()
                     raise BackendUnavailable(f"The model `{self.name}` has no replica ready after "
-                                             f"{self.cold_start_timeout_s:g} s; it is starting, try again shortly")
+                                             f"{self.cold_start_timeout_s:g} s; "
+                                             + (f"{why}: try again once the cluster has such a node" if why else
+                                                "it is starting, try again shortly"))
         finally:
             if not first.done():
                 first.cancel()
                 first.add_done_callback(_retrieve_outcome)
+
+
+    async def _why_no_replica(self) -> str | None:
+        """What the cluster lacks for one of this model's replicas (a node lost, or none with its resources); None
+        when a node could hold one (the replica is still starting) or when the cluster cannot be asked."""
+        if self.spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(node_shortfall, self.spec)
+        except Exception as e:  # noqa: BLE001 - the 503 goes out either way, with or without the reason
+            log.warning("model %s: could not read the cluster's nodes: %r", self.name, e)
+            return None
 
 
 def _this_task_cancelled() -> bool:

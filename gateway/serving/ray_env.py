@@ -33,14 +33,41 @@ QUIET_ENV = {
 }
 
 
-def use_local_token_auth() -> None:
-    """The cluster `platform up` started on this machine uses Ray's token auth with this machine's token
-    (~/.ray/auth_token); Ray turns it on by itself only for clusters it finds, not for an address it is
-    given, as the platform's recorded one is."""
+def use_local_token_auth(address: str | None = None) -> None:
+    """Clusters started on this machine once Ray has made its token (~/.ray/auth_token: `platform up`'s own, or
+    one started with `ray start --head` after it) use Ray's token auth with that token; Ray turns it on by itself
+    only for clusters it finds, not for an address it is given, as the platform's recorded one is or `--address`.
+    `address`: a cluster named by the user, joined with the token only when it is on this machine."""
     if "ray" in sys.modules:  # too late to take effect, and a mode Ray's imported half does not share breaks it
+        return
+    if address is not None and not _on_this_machine(address):
         return
     if (Path.home() / ".ray" / "auth_token").is_file():
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether a Ray address (`host:port`, `ray://host:port`, or `auto` / `local`) names a cluster on this machine."""
+    import socket
+
+    if address in ("auto", "local"):
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", ""):
+        return True
+    mine: set[str] = set()
+    try:
+        mine.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the address Ray picks for its nodes:
+            probe.connect(("8.8.8.8", 80))  # the outgoing interface's (a UDP connect sends nothing)
+            mine.add(probe.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(mine & theirs) or any(ip.startswith("127.") for ip in theirs)
 
 
 def quiet_ray_env() -> None:

@@ -130,6 +130,7 @@ class ModelRegistry:
                                         cold_start_timeout_s=self.cold_start_timeout_s)
             elif spec is not None:
                 backend.max_model_len = listed_max_model_len(spec)
+            backend.spec = spec
             backend.state, backend.replica_states, backend.reason = model_state(app)
             backends[name] = backend
             if spec is not None:

@@ -140,7 +140,7 @@ class ModelServer:
             except ValueError:  # a request slipped in
                 return False
             self.memory.push_downs += 1
-            log.info("replica %s of %s pushed down to sleep level 2 (idle %.0f s) to make room for a wake of %s",
+            log.warning("replica %s of %s pushed down to sleep level 2 (idle %.0f s) to make room for a wake of %s",
                      self.replica, self.spec.name, time.time() - self.last_used, for_model)
             try:
                 await self.memory.report_now(await self._stats(), self.last_used)

@@ -81,7 +81,8 @@ def platform(tmp_path_factory) -> Iterator[Platform]:
 
     with fresh_database(tmp_path_factory.mktemp("serve")) as db_url:
         db = make_engine(db_url)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        # a cluster of its own ("local"), never one some other process started on the machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})

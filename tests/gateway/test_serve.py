@@ -509,6 +509,11 @@ def test_an_idle_replica_sleeps_and_the_next_request_wakes_it_with_the_same_answ
             span = Decimal((row.end - row.start) // timedelta(microseconds=1)).scaleb(-6)
             assert row.busy_s + row.idle_s + row.asleep_s == span
         assert gpu_usage_frame(platform.db, model=name)["asleep_h"].sum() > 0
+        # `platform status`: the wakes among the cold starts, and the replica asleep at level 1
+        row = wait_until(lambda: next((r for r in status.platform_status(platform.db) if r["model"] == name
+                                       and r["asleep"] == 1), None), 30, "status to show the replica asleep")
+        assert row["wakes"] >= 2 and row["cold_starts"] >= row["wakes"]
+        assert row["sleep_levels"] == [1] and row["push_downs"] == 0
     finally:
         ops.delete_model(name)
         wait_until(lambda: not _listed_name(platform, name), 30, "the sleepy model to go")

@@ -55,3 +55,18 @@ def test_each_bad_custom_resource_is_named():
     assert "resources.custom.flag: the amount must be a finite number" in text
     with pytest.raises(SpecError, match="resources.custom: Input should be a valid dictionary"):
         parse_spec({**BASE, "resources": {"custom": ["node_b"]}})
+
+
+def test_a_sleep_that_would_come_after_the_replica_ends_is_refused_naming_both_delays():
+    with pytest.raises(SpecError, match=r"autoscaling.sleep_after_s: 300 s is not less than downscale_delay_s \(300 s\)"):
+        parse_spec({**BASE, "autoscaling": {"sleep_after_s": 300}})
+    with pytest.raises(SpecError, match=r"not less than downscale_to_zero_delay_s \(60 s\)"):
+        parse_spec({**BASE, "autoscaling": {"sleep_after_s": 90, "downscale_to_zero_delay_s": 60}})
+    # a replica kept by min_replicas never ends: it may sleep whenever
+    assert parse_spec({**BASE, "autoscaling": {"sleep_after_s": 900, "min_replicas": 1}}).autoscaling.sleep_after_s == 900
+
+
+def test_more_than_one_gpu_is_a_whole_number_of_gpus():
+    with pytest.raises(SpecError, match=r"resources.num_gpus: a share of more than one GPU must be a whole number"):
+        parse_spec({**BASE, "resources": {"num_gpus": 1.5}})
+    assert parse_spec({**BASE, "resources": {"num_gpus": 2}}).resources.num_gpus == 2
