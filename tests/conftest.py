@@ -24,6 +24,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# the test files that share one Ray Serve platform per worker (tests/gateway/serve_platform.py's session fixture):
+# test_serve.py's last test stops it, so they run on one worker, in collection order
+SHARED_PLATFORM_FILES = ("tests/gateway/test_lora_serve.py", "tests/gateway/test_serve.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s `-n 2 --dist loadfile`: each file on one worker, as loadfile does, and the files of the shared
+    platform together."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileSharedPlatformTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray-serve-platform" if path in SHARED_PLATFORM_FILES else path
+
+    return ByFileSharedPlatformTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir():
     """../shared/data beside the checkout; tests that need a file skip when it is absent."""
