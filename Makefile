@@ -43,10 +43,11 @@ install-test: $(TEST_STAMP)
 up: install
 	$(BIN)/platform up $(if $(PORT),--port $(PORT))
 
-# two workers, each test file on one of them (a file's module and session fixtures, a Ray cluster among them, are
-# set up once per worker); TEST_WORKERS=0 runs them in this process
-TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# TEST_WORKERS=2: the test files spread over two pytest-xdist workers, each file on one of them (its module and session
+# fixtures, a Ray cluster among them, set up once per worker); a worker that dies ends the run instead of being
+# replaced. 0 (the default): all in this process
+TEST_WORKERS ?= 0
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0)
 
 test: install-test
 	$(PYTEST)

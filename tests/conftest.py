@@ -31,7 +31,7 @@ SHARED_PLATFORM_FILES = ("tests/gateway/test_lora_serve.py", "tests/gateway/test
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s `-n 2 --dist loadfile`: each file on one worker, as loadfile does, and the files of the shared
+    """`TEST_WORKERS=2 make test`'s `-n 2 --dist loadfile`: each file on one worker, as loadfile does, and the files of the shared
     platform together."""
     if config.getoption("dist") != "loadfile":
         return None

@@ -15,7 +15,10 @@ def node_shortfall(spec: ModelSpec) -> str | None:
     if any(all(node.get(k, 0.0) >= v for k, v in need.items() if v) for node in nodes):
         return None
     most = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in need}
-    custom = "".join(f", {v:g} {k}" for k, v in spec.resources.custom.items())
-    has = "".join(f", {most[k]:g} {k}" for k in spec.resources.custom)
-    return (f"no node of this cluster has {need['GPU']:g} GPUs and {need['CPU']:g} CPUs{custom} for one replica (the "
-            f"largest has {most['GPU']:g} GPUs, {most['CPU']:g} CPUs{has})")
+    asked = [k for k, v in need.items() if v]
+    return (f"no node of this cluster has what one replica needs ({_amounts(need, asked)}; the most any node has: "
+            f"{_amounts(most, asked)})")
+
+
+def _amounts(amounts: dict[str, float], names: list[str]) -> str:
+    return ", ".join(f"{amounts[k]:g} {k}" for k in names)

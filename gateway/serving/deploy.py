@@ -22,8 +22,28 @@ PLATFORM_ADDRESS_FILE = "ray-address"  # under TOLLGATE_HOME: the cluster `platf
 
 
 def _recorded_address(settings: Settings) -> str | None:
+    """The cluster `platform up` recorded under this home, when something still listens there: a record left by a
+    cluster that is gone (a machine restarted, a cluster stopped by hand) is forgotten, not retried for minutes."""
     path = settings.home / PLATFORM_ADDRESS_FILE
-    return (path.read_text().strip() or None) if path.is_file() else None
+    address = (path.read_text().strip() or None) if path.is_file() else None
+    if address is not None and not _listens(address):
+        logging.getLogger("tollgate.platform").warning("the platform recorded at %s does not answer: forgotten",
+                                                       address)
+        forget_platform(settings)
+        return None
+    return address
+
+
+def _listens(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection to a Ray GCS address (`host:port`) opens within timeout_s."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def connect(settings: Settings, *, quiet: bool = True) -> None:

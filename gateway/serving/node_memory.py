@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -67,6 +68,13 @@ def replica_memory(model: str, replica: str, device: str, stats: dict[str, Any],
     else:
         held = int(stats.get("device_reserved_bytes", awake if level == 0 else 0))
     return ReplicaMemory(model, replica, device, awake, held, level, last_used, host, push_downs)
+
+
+def _gib(n: int, up: bool) -> str:
+    """Bytes in GiB to three decimals, rounded up (what is needed) or down (what is left), so a shortfall never
+    reads as room."""
+    thousandths = n * 1000 / GIB
+    return f"{(math.ceil(thousandths) if up else math.floor(thousandths)) / 1000:.3f}"
 
 
 def choose_push_down(records: list[ReplicaMemory], waker: str, device: str,
@@ -138,15 +146,17 @@ class NodeMemory:
         if need <= room:
             self._waking[waker.replica] = self._clock() + PROMISE_S
             return Admission(True)
-        victim = choose_push_down(on_device, waker.replica, waker.device,
-                                  set(skip) | set(self._pushing) | set(self._waking))
-        if victim is not None:
+        passed_over = set(skip) | set(self._pushing) | set(self._waking)
+        victim = choose_push_down(on_device, waker.replica, waker.device, passed_over)
+        pushable = sum(r.held_bytes for r in on_device if r.level == 1 and r.replica not in passed_over)
+        if victim is not None and need <= room + pushable:
             self._pushing[victim.replica] = self._clock() + PROMISE_S
             return Admission(False, victim)
         awake = sorted(r.model for r in on_device if r.level == 0)
-        return Admission(False, None, f"it needs {need / GIB:.2f} GiB and {max(0, room) / GIB:.2f} GiB is {where}, "
-                                      "with no sleeping model left to push down"
-                                      + (f" (awake: {', '.join(awake)})" if awake else ""))
+        short = (f"pushing every sleeping model down would free only {_gib(pushable, up=False)} GiB" if victim else
+                 "with no sleeping model left to push down")
+        return Admission(False, None, f"it needs {_gib(need, up=True)} GiB and {_gib(max(0, room), up=False)} GiB "
+                                      f"is {where}, {short}" + (f" (awake: {', '.join(awake)})" if awake else ""))
 
     def done_waking(self, replica: str) -> None:
         self._waking.pop(replica, None)

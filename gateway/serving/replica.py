@@ -33,6 +33,7 @@ from gateway.serving.node_memory import CPU, ReplicaMemoryClient
 from gateway.recorded_adapters import load_recorded_adapters
 from gateway.serving.ray_backend import ReplicaAccepted, ReplicaError
 from gateway.specs import parse_spec
+from tollgate import envs
 
 log = logging.getLogger("tollgate.serve")
 
@@ -64,6 +65,8 @@ class ModelServer:
         # the adapters added at run time while this replica did not run (or before the platform restarted)
         await load_recorded_adapters(self.backend, self.db)
         stats = self.backend.stats()
+        if node_memory_budget_gib is None:  # the deploying process had none: the node's own (set for `platform up`)
+            node_memory_budget_gib = envs.get("TOLLGATE_NODE_MEMORY_BUDGET_GIB")
         self.memory = ReplicaMemoryClient(self.spec.name, self.replica, _device(stats), node_memory_budget_gib)
         self.memory.report(stats, self.last_used)
         self.poster = StatsPoster(self.spec.name, self.replica, self._posted_stats,

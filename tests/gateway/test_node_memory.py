@@ -105,9 +105,20 @@ def test_with_nothing_left_to_push_the_wake_is_refused_naming_the_shortfall():
     with pytest.raises(NoRoomToWake) as e:
         _wake(ledger, line("c", 1, 2.0), budget=1000 * MIB)
     message = str(e.value)
-    assert f"it needs {700 * MIB / GIB:.2f} GiB and {300 * MIB / GIB:.2f} GiB is left of this node's" in message
+    assert "it needs 0.684 GiB and 0.292 GiB is left of this node's" in message  # 700 MiB up, 300 MiB down
     assert "no sleeping model left to push down (awake: a)" in message
     assert [r.level for r in ledger.records() if r.model == "a"] == [0]  # the awake one was not touched
+
+
+def test_a_wake_that_pushing_every_sleeper_could_not_fit_pushes_none():
+    ledger = NodeMemory()
+    ledger.report(line("awake", 0, 3.0))
+    ledger.report(line("old", 1, 1.0))
+    # w needs 700 MiB; the budget leaves 1350 - 700 - 500 = 150 and pushing `old` frees 500 more: still short
+    with pytest.raises(NoRoomToWake) as e:
+        _wake(ledger, line("w", 1, 9.0), budget=1350 * MIB)
+    assert "pushing every sleeping model down would free only 0.488 GiB (awake: awake)" in str(e.value)
+    assert {r.model: r.level for r in ledger.records()} == {"awake": 0, "old": 1, "w": 1}  # nothing pushed
 
 
 def test_a_sleeper_that_turns_busy_or_is_gone_is_skipped_and_the_next_one_pushed():
