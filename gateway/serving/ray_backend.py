@@ -229,7 +229,6 @@ class RayModelBackend:
                 first.cancel()
                 first.add_done_callback(_retrieve_outcome)
 
-
     async def _why_no_replica(self) -> str | None:
         """What the cluster lacks for one of this model's replicas (a node lost, or none with its resources); None
         when a node could hold one (the replica is still starting) or when the cluster cannot be asked."""
