@@ -37,6 +37,13 @@ def test_idle_goes_to_the_tenants_that_kept_the_replica_busy_and_else_to_no_tena
     assert split_interval(10, 0, {"a": 0.0}) == {None: (10, 0)}  # busy with nothing counted: no tenant
 
 
+def _rows_and_shares(db):  # type: ignore[no-untyped-def]
+    """The replica interval rows in time order, and every GpuShare row."""
+    with db.connect() as conn:
+        return (conn.execute(select(ReplicaInterval).order_by(ReplicaInterval.start)).all(),
+                conn.execute(select(GpuShare)).all())
+
+
 def test_busy_time_a_row_carries_into_the_next_stays_with_the_tenant_that_ran_it(db) -> None:
     a = create_tenant(db, "acme")
     record_deployments(db, [{"name": "m", "pricing": {"gpu_hour": 3.6}}])
@@ -45,9 +52,7 @@ def test_busy_time_a_row_carries_into_the_next_stays_with_the_tenant_that_ran_it
     rec.flush()
     time.sleep(0.6)
     rec.flush()
-    with db.connect() as conn:
-        rows = conn.execute(select(ReplicaInterval).order_by(ReplicaInterval.start)).all()
-        shares = conn.execute(select(GpuShare)).all()
+    rows, shares = _rows_and_shares(db)
     assert len(rows) == 2 and rows[0].busy_s < Decimal("1.5") and sum(r.busy_s for r in rows) == Decimal("1.5")
     assert {s.tenant_uid for s in shares if s.busy_s} == {a.uid}
     assert sum(s.busy_s for s in shares) == Decimal("1.5")
@@ -69,9 +74,7 @@ def test_intervals_tile_the_replica_and_tenant_shares_add_up_exactly(db) -> None
         rec.flush()
         time.sleep(0.05)
     rec.close()
-    with db.connect() as conn:
-        rows = conn.execute(select(ReplicaInterval).order_by(ReplicaInterval.start)).all()
-        shares = conn.execute(select(GpuShare)).all()
+    rows, shares = _rows_and_shares(db)
     assert len(rows) == 5
     for first, second in zip(rows, rows[1:]):
         assert first.end == second.start
