@@ -144,7 +144,7 @@ class ModelServer:
                 return False
             self.memory.push_downs += 1
             log.warning("replica %s of %s pushed down to sleep level 2 (idle %.0f s) to make room for a wake of %s",
-                     self.replica, self.spec.name, time.time() - self.last_used, for_model)
+                        self.replica, self.spec.name, time.time() - self.last_used, for_model)
             try:
                 await self.memory.report_now(await self._stats(), self.last_used)
             except Exception as e:  # noqa: BLE001 - the waker finds out from its next report
