@@ -146,7 +146,10 @@ class Ledger:
             self._add_pending(row, +1)
             if self._spill is not None and len(self._queue) > self._max_buffer:
                 overflow = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
-            self._cond.notify_all()
+            # the writer waits untimed only for a first event; while it lingers over more it wakes on its own,
+            # early only for a full batch (a wake-up per event costs the request path a GIL hand-off)
+            if len(self._queue) in (1, self._max_batch):
+                self._cond.notify_all()
         if overflow:
             log.warning("ledger buffer over %d events; %d spilled to disk", self._max_buffer, len(overflow))
             self._set_aside(overflow)

@@ -30,12 +30,13 @@ from gateway.backends import LocalEngineBackend, ModelBackend
 from gateway.body_limit import BodySizeLimit
 from gateway.dashboard import install_dashboard, session_secret
 from gateway.deployed import DeployedModels
+from gateway.direct_routes import DirectRoutes
 from gateway.drain import InFlightMiddleware
 from gateway.recorded_adapters import load_recorded_adapters
 from gateway.embedding_backend import LocalEmbeddingBackend
 from gateway.embeddings import embeddings_router
 from gateway.request_id import RequestIdMiddleware
-from gateway.routes import router
+from gateway.routes import COMPLETION_ROUTES, router
 from gateway.service import Gateway
 from gateway.settings import Settings
 from gateway.specs import ModelSpec
@@ -112,12 +113,15 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
     app.state.session_secret = session_secret(settings)
     app.state.auth_throttle = FailedAuthThrottle(settings.auth_fail_limit, settings.auth_fail_window_s)
     errors.install(app)
+    for path, endpoint in COMPLETION_ROUTES.items():
+        app.router.add_route(path, endpoint, methods=["POST"])
     app.include_router(router)
     app.include_router(embeddings_router)
     app.include_router(admin_router)
     app.include_router(adapter_router)
     app.include_router(cache_feedback_router)
     install_dashboard(app)
+    app.add_middleware(DirectRoutes, routes=COMPLETION_ROUTES)  # innermost: inside the limits, drain and request id
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(InFlightMiddleware, in_flight=in_flight)
     if not behind_serve:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,13 +82,12 @@ def database_unavailable(retry_after: int = 5) -> APIError:
                     "server_error", "service_unavailable", None, {"Retry-After": str(retry_after)})
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+def invalid_body(errors: Sequence[Any]) -> APIError:
+    """The 400 for a body that failed validation (pydantic's or FastAPI's errors: a location may start with "body")."""
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
-                               "aren't using your HTTP library correctly.)", None, "invalid_json")
+        return invalid_json()
     if first.get("type") == "extra_forbidden" and loc:
         param = ".".join(loc)
         return invalid_request(f"{param}: unrecognized request argument; this server does not support it", param,
@@ -102,6 +102,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return invalid_request(msg, param, "invalid_value" if loc else "invalid_body")
 
 
+def invalid_json() -> APIError:
+    return invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
+                           "aren't using your HTTP library correctly.)", None, "invalid_json")
+
+
 def install(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
@@ -109,7 +114,7 @@ def install(app: FastAPI) -> None:
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return _validation_error(exc).response()
+        return invalid_body(exc.errors()).response()
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -190,6 +190,20 @@ class _Replicas(Collector):
         yield replicas
 
 
+class _RequestSeries:
+    """The labelled series one (model, endpoint, status) moves, looked up once rather than per request."""
+
+    def __init__(self, m: Metrics, model: str, endpoint: str, status: str) -> None:
+        self.requests = m.requests.labels(model, endpoint, status)
+        self.prompt_tokens = m.tokens.labels(model, "prompt")
+        self.completion_tokens = m.tokens.labels(model, "completion")
+        self.cost = m.cost.labels(model)
+        self.latency = m.latency.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.tpot = m.tpot.labels(model)
+        self.queue_time = m.queue_time.labels(model)
+
+
 BACKLOG_PUBLISH_S = 2.0  # with several API processes: how often each writes its ledger backlog for the others' scrapes
 
 
@@ -221,6 +235,7 @@ class Metrics:
         self.cache_saved = Counter("tollgate_cache_saved_usd", "List price of the answers the cache gave",
                                    ["model"], registry=r)
         self.tenant_spend = Counter("tollgate_tenant_spend_usd", "Cost charged per tenant", ["tenant"], registry=r)
+        self._series: dict[tuple[str, str, str], _RequestSeries] = {}
         self._tenant_labels: set[str] = set()
         self._tenant_lock = threading.Lock()
         # several API processes (serve --local --api-servers N) share their counts through prometheus_client's
@@ -256,10 +271,25 @@ class Metrics:
         if usd > 0:
             self.tenant_spend.labels(self._tenant_label(tenant)).inc(float(usd))
 
-    def observe_tpot(self, model: str, latency_s: float, ttft_s: float | None, completion_tokens: int) -> None:
-        """(end-to-end − first token) / (tokens − 1); needs a first-token time and two tokens."""
-        if ttft_s is not None and completion_tokens > 1 and latency_s >= ttft_s:
-            self.tpot.labels(model).observe((latency_s - ttft_s) / (completion_tokens - 1))
+    def request_done(self, model: str, endpoint: str, status: str, prompt_tokens: int, completion_tokens: int,
+                     cost: float | Decimal, latency_s: float, ttft_s: float | None, queue_s: float | None,
+                     tpot: bool = True) -> None:
+        """A request that reached a model ended: its count, tokens, cost and latencies (`tpot`: its time per output
+        token too, (end-to-end − first token) / (tokens − 1), where it has a first-token time and two tokens)."""
+        series = self._series.get((model, endpoint, status))
+        if series is None:
+            series = self._series[(model, endpoint, status)] = _RequestSeries(self, model, endpoint, status)
+        series.requests.inc()
+        series.prompt_tokens.inc(prompt_tokens)
+        series.completion_tokens.inc(completion_tokens)
+        series.cost.inc(float(cost))
+        series.latency.observe(latency_s)
+        if ttft_s is not None:
+            series.ttft.observe(ttft_s)
+            if tpot and completion_tokens > 1 and latency_s >= ttft_s:
+                series.tpot.observe((latency_s - ttft_s) / (completion_tokens - 1))
+        if queue_s is not None:
+            series.queue_time.observe(queue_s)
 
     def watch_budgets(self, db: Engine, ttl_s: float = 15.0) -> None:
         """Export tollgate_tenant_budget_used_ratio, read from the database at scrape time (cached ttl_s)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
@@ -17,7 +18,7 @@ from gateway.answer_reuse import AUTO_MODEL, CacheOutcome, hit_stream
 from gateway.auth import Principal
 from gateway.auth_throttle import client_address
 from gateway.backends import GenerationRequest
-from gateway.errors import APIError, invalid_request
+from gateway.errors import APIError, invalid_body, invalid_json, invalid_request
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.prompt_length import refuse_overlong
@@ -29,6 +30,7 @@ from gateway.sse import EventStreamResponse
 from gateway.tool_calls.plan import tool_plan, tools_prompt_bytes
 
 router = APIRouter()
+Body = TypeVar("Body", bound=BaseModel)
 
 
 async def gateway(request: Request) -> Gateway:
@@ -102,9 +104,25 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, p: Principal = Depends(principal),
-                           gw: Gateway = Depends(gateway)) -> Response:
+async def parsed_body(request: Request, model: type[Body]) -> Body:
+    """The body as `model`, checked as FastAPI checks a body parameter (JSON decoded, then validated strictly)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        raise invalid_json() from None
+    if data is None:
+        raise invalid_request("The request body is empty: send a JSON object.", None, "invalid_body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise invalid_body(e.errors(include_url=False)) from None
+
+
+async def chat_completions(request: Request) -> Response:
+    p = await principal(request)
+    body = await parsed_body(request, ChatCompletionRequest)
+    gw: Gateway = request.app.state.gateway
     messages = [m.template_message() for m in body.messages]
     model, route = body.model, None
     if model == AUTO_MODEL:
@@ -137,9 +155,10 @@ def completion_prompt_bound(prompt: str | list[int]) -> int:
     return len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, p: Principal = Depends(principal),
-                      gw: Gateway = Depends(gateway)) -> Response:
+async def completions(request: Request) -> Response:
+    p = await principal(request)
+    body = await parsed_body(request, CompletionRequest)
+    gw: Gateway = request.app.state.gateway
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -242,3 +261,8 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
     # best_of: params.n candidates ran, the best body.n are returned
     result = await gw.whole(call, first, stream, params.n, keep_best=body.n if params.n > body.n else None)
     return JSONResponse(result, headers=headers)
+
+
+# The completion endpoints are plain Starlette endpoints (they read and check their own body): the app registers
+# them as routes and reaches them past FastAPI's router as well (gateway/direct_routes.py).
+COMPLETION_ROUTES = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}

@@ -393,17 +393,8 @@ class Gateway:
         m.add_spend(p.tenant, cost)
         if call.cache_hit:
             m.cache_hit(call.model, self._list_price(call))
-        else:
-            m.observe_tpot(call.model, latency, call.ttft_s, call.completion_tokens)
-        m.requests.labels(call.model, call.fmt.endpoint, status).inc()
-        m.tokens.labels(call.model, "prompt").inc(call.prompt_tokens)
-        m.tokens.labels(call.model, "completion").inc(call.completion_tokens)
-        m.cost.labels(call.model).inc(float(cost))
-        m.latency.labels(call.model).observe(latency)
-        if call.ttft_s is not None:
-            m.ttft.labels(call.model).observe(call.ttft_s)
-        if call.queue_s is not None:
-            m.queue_time.labels(call.model).observe(call.queue_s)
+        m.request_done(call.model, call.fmt.endpoint, status, call.prompt_tokens, call.completion_tokens, cost,
+                       latency, call.ttft_s, call.queue_s, tpot=not call.cache_hit)
 
     def rejected(self, err: APIError) -> None:
         self.metrics.rejected.labels(str(err.status), err.code or "").inc()

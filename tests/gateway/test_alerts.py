@@ -108,13 +108,15 @@ def test_spend_labels_are_bounded_and_cache_hits_tpot_engine_gauges():
     assert len(spend) == MAX_TENANT_LABELS + 1 and spend[OTHER_TENANT] == 5.0 and spend["t0"] == 3.0
     m.cache_hit("small", saved_usd=0.5)
     m.cache_hit("small")
-    m.observe_tpot("small", latency_s=1.1, ttft_s=0.1, completion_tokens=11)  # 0.1 s per token
-    m.observe_tpot("small", latency_s=1.0, ttft_s=None, completion_tokens=11)  # no first token: skipped
+    m.request_done("small", "completions", "ok", 5, 11, 0.0, latency_s=1.1, ttft_s=0.1, queue_s=None)  # 0.1 s/token
+    m.request_done("small", "completions", "ok", 5, 11, 0.0, latency_s=1.0, ttft_s=None, queue_s=None)  # no TTFT
+    m.request_done("small", "completions", "ok", 5, 11, 0.0, latency_s=1.0, ttft_s=0.1, queue_s=None, tpot=False)
     got = _samples(m)
     assert got["tollgate_cache_hits_total"][0].value == 2
     assert got["tollgate_cache_saved_usd_total"][0].value == 0.5
     assert got["tollgate_time_per_output_token_seconds_count"][0].value == 1
     assert got["tollgate_time_per_output_token_seconds_sum"][0].value == pytest.approx(0.1)
+    assert got["tollgate_requests_total"][0].value == 3 and got["tollgate_tokens_total"][1].value == 33
     assert got["tollgate_kv_cache_usage_perc"][0].value == 0.25
     assert got["tollgate_model_busy_seconds_total"][0].value == 3.0
     assert got["tollgate_model_engine_busy"][0].value == 0.0
