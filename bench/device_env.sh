@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gateway's Python packages for the GPU machine, which has torch, triton, transformers, numpy, pyyaml,
 # prometheus-client, httpx, aiohttp, uvloop and pandas but no registry and no fastapi, uvicorn, pydantic, sqlalchemy,
-# alembic, faiss, llguidance and xgrammar (structured outputs), jsonschema (tool definitions) or py-spy (profiles).
+# alembic, faiss, llguidance (structured outputs), jsonschema (tool definitions) or py-spy (profiles).
 #   bash bench/device_env.sh download   # here, with PyPI: wheels for CPython 3.12 manylinux x86_64 into .whl/
 #   bash bench/device_env.sh install    # there (the run carries .whl): installs them into /tmp/site
 #   export PYTHONPATH=/tmp/site:$PWD    # then `platform serve --local` and bench/serve.py run on the GPU
@@ -13,7 +13,7 @@ WHEELS=.whl
 # the web stack and the ledger; their own dependencies are named, since --no-deps keeps torch out
 PACKAGES=(fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types typing-inspection
           sqlalchemy greenlet alembic mako sniffio
-          annotated-doc opentelemetry-api faiss-cpu llguidance xgrammar apache-tvm-ffi
+          annotated-doc opentelemetry-api faiss-cpu llguidance
           jsonschema jsonschema-specifications referencing rpds-py attrs
           py-spy)  # py-spy: bench/serve.py --profile samples the gateway under load
 

@@ -11,11 +11,9 @@ the model's 128,256 rows; `--export-tokenizer` saves it as a small folder to car
 ones end for length too). The steps timed are the decode steps once every request has its first token; tpot_ms is
 their mean wall time. mask_ms_per_step is the engine thread's time per step on masks (waiting for the mask worker
 included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
-while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in the grammar libraries' calls
-on either thread (taking the GIL back after each included). The schema is one xgrammar enforces, so the engine's
-default serves it with xgrammar; --grammar-backend llguidance serves it with llguidance, where --lexers 1 puts every
-sequence of the schema on one lexer, whose lock fills their masks one at a time (the engine before it spread them,
-engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
+while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in llguidance's calls
+on either thread (taking the GIL back after each included). --lexers 1 puts every sequence of the schema on one
+lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
 each is reported, and `ratio` is constrained / unconstrained."""
 
 from __future__ import annotations
@@ -60,9 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--lexers", type=int, help="lexers a grammar spreads its sequences over (default: --mask-threads)")
     p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
-    p.add_argument("--grammar-backend", choices=("auto", "llguidance"), default="auto",
-                   help="EngineConfig.grammar_backend: auto serves the schema with xgrammar, which enforces all of it")
-    p.add_argument("--xgrammar-threads", type=int, default=1, help="threads of xgrammar's batch fill")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
@@ -115,15 +110,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         emit(result, args.out)
         return result
     config: dict[str, Any] = {"device": args.device, "max_model_len": args.max_model_len,
-                              "max_num_seqs": max(args.batch, 1), "async_scheduling": not args.sync_scheduling,
-                              "grammar_backend": args.grammar_backend}
+                              "max_num_seqs": max(args.batch, 1), "async_scheduling": not args.sync_scheduling}
     if args.tokenizer:
         config["tokenizer"] = args.tokenizer
     log(f"loading {args.model} on {args.device}")
     llm = LLM(args.model, **config)
     masker = llm.engine.runner.token_masker
     masker.threads = args.mask_threads or masker.threads
-    masker.xgrammar_threads = args.xgrammar_threads
     llm.engine.grammars.lexers = args.lexers or masker.threads
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
     work = random_workload(args.batch, args.prompt_len, args.prompt_len, args.output_len, args.output_len, seed=0,
@@ -159,9 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
         "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
         "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
-        "grammar_backend": llm.engine.grammars.compile(constrained.structured_outputs).backend,
-        "mask_threads": masker.threads, "xgrammar_threads": masker.xgrammar_threads,
-        "lexers": llm.engine.grammars.lexers,
+        "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }
     emit(result, args.out)

@@ -16,7 +16,6 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 _QUANTIZATIONS = (None, "int8", "int4", "fp8")
 _ENGINE_CORES = ("auto", "thread", "process")
-_GRAMMAR_BACKENDS = ("auto", "llguidance")
 _LORA_DECODE_KERNELS = ("auto", "bgmv", "grouped")
 # prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
 # the event loop (the short ones, nearly all, skip the thread hop)
@@ -87,9 +86,6 @@ class EngineConfig:
     # weights into is pinned as the engine starts, in a thread of its own, and kept; the first sleep then only copies
     # (pinning 16 GB took ~10 s of the first switch between two 8B models). Costs that much host memory for good.
     enable_sleep_mode: bool = False
-    # Structured outputs (engine/grammar.py): "auto" serves a JSON schema made only of keywords xgrammar enforces with
-    # xgrammar (masks about 10x cheaper) and every other constraint with llguidance; "llguidance" serves all with it.
-    grammar_backend: str = "auto"
 
     def __post_init__(self) -> None:
         """Every bad field at once: a ValueError with one `field: problem` line each."""
@@ -138,8 +134,6 @@ class EngineConfig:
               f"must be one of {_LORA_DECODE_KERNELS}, got {self.lora_decode_kernels!r}")
         check(self.engine_core in _ENGINE_CORES, "engine_core",
               f"must be one of {_ENGINE_CORES}, got {self.engine_core!r}")
-        check(self.grammar_backend in _GRAMMAR_BACKENDS, "grammar_backend",
-              f"must be one of {_GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         check(self.quantization in _QUANTIZATIONS, "quantization",
               f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",

@@ -1,9 +1,6 @@
-"""Grammars for structured outputs: a request's StructuredOutputs compiled for the engine's tokenizer and cached by its
-hash, and one matcher per sequence that follows the sequence's tokens. llguidance checks every constraint and
-serves any (docs/benchmarks/structured.md says why this library); a JSON schema made only of keywords xgrammar
-enforces is served by xgrammar instead, whose masks cost a tenth of llguidance's (engine/xgrammar_backend.py;
-`grammar_backend: llguidance` keeps every constraint on llguidance). Both are imported on the first structured
-request.
+"""Grammars for structured outputs, through llguidance (docs/benchmarks/structured.md says why this library):
+a request's StructuredOutputs compiled for the engine's tokenizer and cached by its hash, and one matcher per
+sequence that follows the sequence's tokens. llguidance is imported on the first structured request.
 
 JSON comes out with json.dumps' separators (", " and ": ") and no other whitespace: a small model cannot then pad a
 document with blank lines until max_tokens. llguidance refuses the schema keywords it cannot enforce (uniqueItems,
@@ -21,10 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine import xgrammar_backend
 from engine.deferred_tokens import PENDING_TOKEN
 from engine.structured_outputs import StructuredOutputs
-from engine.xgrammar_backend import XGrammarCompiled
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
@@ -110,8 +105,6 @@ class CompiledGrammar:
     lexers: int
     templates: list[Any]  # llguidance LLMatchers in their start state; each sequence gets a copy of one
     handed_out: int = 0
-    backend = "llguidance"
-    stop_row = None  # llguidance's own masks allow only end-of-sequence where the grammar is done or broken
 
     def next_template(self) -> Any:
         index = self.handed_out % self.lexers
@@ -120,35 +113,18 @@ class CompiledGrammar:
             self.templates.append(_llguidance().LLMatcher(self.ll_tokenizer, self.text, log_level=0))
         return self.templates[index]
 
-    def new_matcher(self) -> Any:
-        return self.next_template().deep_copy()
-
 
 class SequenceGrammar:
     """One sequence's matcher: it consumes the sequence's output tokens as they are read, and its mask says which
     tokens may come next (engine/token_mask.py)."""
 
-    __slots__ = ("matcher", "backend", "stop_row", "num_consumed", "mask_words", "rejected", "__weakref__")
+    __slots__ = ("matcher", "num_consumed", "mask_words", "rejected", "__weakref__")
 
-    def __init__(self, matcher: Any, mask_words: int, backend: str = "llguidance", stop_row: Any = None) -> None:
+    def __init__(self, matcher: Any, mask_words: int) -> None:
         self.matcher = matcher
-        self.backend = backend  # "llguidance" or "xgrammar"
-        self.stop_row = stop_row  # xgrammar: the mask once the grammar is done or broken (only end-of-sequence)
         self.num_consumed = 0  # output tokens consumed
         self.mask_words = mask_words  # int32 words of one mask row
         self.rejected = False  # a token outside the grammar was read (never, while masks are applied)
-
-    @property
-    def stopped(self) -> bool:
-        """Done: end-of-sequence consumed (llguidance: or nothing more may follow)."""
-        if self.backend == "xgrammar":
-            return self.matcher.is_terminated()
-        return self.matcher.is_stopped()
-
-    @property
-    def ends_only(self) -> bool:
-        """xgrammar: its mask is stop_row (its matcher, broken or done, fills none)."""
-        return self.rejected or self.matcher.is_terminated()
 
     def new_tokens(self, seq: Sequence) -> list[int]:
         """The output tokens read since the matcher last consumed (up to a placeholder still on the device)."""
@@ -159,10 +135,7 @@ class SequenceGrammar:
 
     def consume(self, seq: Sequence, tokens: list[int]) -> None:
         for token in tokens:
-            if self.backend == "xgrammar":
-                self.consumed(seq, token, not self.ends_only and self.matcher.accept_token(token))
-            else:
-                self.consumed(seq, token, self.matcher.consume_token(token))
+            self.consumed(seq, token, self.matcher.consume_token(token))
 
     def consumed(self, seq: Sequence, token: int, accepted: bool) -> None:
         """Books one token the matcher has consumed (accepted: it was inside the grammar)."""
@@ -170,8 +143,8 @@ class SequenceGrammar:
         if not accepted and not self.rejected:
             # from an error state only end-of-sequence is allowed: the sequence stops at its next token
             self.rejected = True
-            why = _message(self.matcher.get_error()) if self.backend == "llguidance" else "xgrammar refused it"
-            log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token, why)
+            log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token,
+                        _message(self.matcher.get_error()))
 
 
 class GrammarCompiler:
@@ -180,11 +153,9 @@ class GrammarCompiler:
     finishes or is aborted)."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = CACHE_SIZE, lexers: int | None = None, backend: str = "auto") -> None:
-        """`lexers`: per grammar, at most (mask_threads() when not given). `backend`: "auto" (xgrammar for the JSON
-        schemas it enforces where it is installed, else llguidance) or "llguidance" (every constraint)."""
+                 cache_size: int = CACHE_SIZE, lexers: int | None = None) -> None:
+        """`lexers`: per grammar, at most (mask_threads() when not given)."""
         self._tokenizer = tokenizer
-        self.backend = backend
         self.lexers = lexers or mask_threads()
         self.vocab_size = vocab_size  # the model's logits rows: a mask covers them all (a tokenizer may have fewer)
         self._eos = sorted(eos_token_ids)
@@ -194,17 +165,14 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
 
-    def _tokenizer_eos(self) -> tuple[int, ...]:
+    @property
+    def ll_tokenizer(self) -> Any:
         # a model's own end-of-sequence ids may lie past a borrowed tokenizer's vocabulary: the grammar ends with
         # the ones the tokenizer has
         eos = tuple(t for t in self._eos if t < self._tokenizer.vocab_size)
         if not eos:
             raise ValueError("this model's tokenizer has none of its end-of-sequence tokens")
-        return eos
-
-    @property
-    def ll_tokenizer(self) -> Any:
-        return _ll_tokenizer(self._tokenizer, self.vocab_size, self._tokenizer_eos())
+        return _ll_tokenizer(self._tokenizer, self.vocab_size, eos)
 
     @property
     def mask_words(self) -> int:
@@ -214,7 +182,7 @@ class GrammarCompiler:
     def num_live(self) -> int:
         return len(self._live)
 
-    def compile(self, spec: StructuredOutputs) -> CompiledGrammar | XGrammarCompiled:
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         key = spec.key
         compiled = self._cache.get(key)
         if compiled is not None:
@@ -232,33 +200,18 @@ class GrammarCompiler:
             ll_tokenizer = self.ll_tokenizer
         except ValueError as e:
             raise ValueError(f"{spec.field}: {e}") from e
-        text = check(spec, ll_tokenizer)  # every constraint is checked by llguidance, whichever serves it
+        text = check(spec, ll_tokenizer)
+        template = _llguidance().LLMatcher(ll_tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ValueError(f"{spec.field}: {_message(template.get_error())}")
         self.misses += 1
-        compiled: CompiledGrammar | XGrammarCompiled
-        if self._served_by_xgrammar(spec):
-            compiled = xgrammar_backend.compile_schema(key, {"type": "object"} if spec.kind == "json_object" else spec.json,
-                                                       self._tokenizer, self.vocab_size, self._tokenizer_eos(),
-                                                       mask_threads())
-        else:
-            template = _llguidance().LLMatcher(ll_tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"{spec.field}: {_message(template.get_error())}")
-            compiled = CompiledGrammar(key, text, ll_tokenizer, self.lexers, [template])
+        compiled = CompiledGrammar(key, text, ll_tokenizer, self.lexers, [template])
         self._cache[key] = compiled
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return compiled
 
-    def clear(self) -> None:
-        """Forgets the compiled grammars (a changed `backend` applies to every constraint from now on)."""
-        self._cache.clear()
-
-    def _served_by_xgrammar(self, spec: StructuredOutputs) -> bool:
-        if self.backend != "auto" or spec.kind not in ("json", "json_object") or not xgrammar_backend.available():
-            return False
-        return spec.kind == "json_object" or xgrammar_backend.enforces(spec.json)
-
-    def new_matcher(self, compiled: CompiledGrammar | XGrammarCompiled) -> SequenceGrammar:
-        grammar = SequenceGrammar(compiled.new_matcher(), self.mask_words, compiled.backend, compiled.stop_row)
+    def new_matcher(self, compiled: CompiledGrammar) -> SequenceGrammar:
+        grammar = SequenceGrammar(compiled.next_template().deep_copy(), self.mask_words)
         self._live.add(grammar)
         return grammar

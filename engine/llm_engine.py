@@ -77,8 +77,7 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         self.eos_token_ids = built.eos_token_ids
         self.runner = built.runner
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                        backend=config.grammar_backend)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = self.runner.lora  # None unless config.max_loras > 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras)

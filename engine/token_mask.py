@@ -2,11 +2,10 @@
 
 A mask needs every earlier token of its sequence: the runner asks for a step's masks when it samples the step, which
 is after the previous step's tokens have been read on the host (with async scheduling too: LLMEngine.step reads
-them before it samples the step it has just launched). The masks are filled into one pinned buffer, one call per
-grammar library (llguidance's thread pool; xgrammar's batch matcher), copied to the logits' device at once; the
-sampler then bans the masked tokens of the constrained rows only (kernels.apply_token_bitmask_), so the other rows
-of the step cost nothing more. llguidance's pool fills rows in parallel only where their matchers have different
-lexers (engine/grammar.py's CompiledGrammar spreads them).
+them before it samples the step it has just launched). The masks are filled by llguidance's thread pool into one
+pinned buffer, copied to the logits' device at once; the sampler then bans the masked tokens of the constrained rows
+only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
+parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
 With async scheduling the work starts a step early: once a step's tokens are sampled on the device (start_ahead),
 a worker thread waits for them to reach the host, has each constrained sequence's matcher consume its new token and
@@ -30,7 +29,6 @@ import torch
 from engine.deferred_tokens import DeferredTokens
 from engine.grammar import SequenceGrammar, mask_threads
 from engine.sequence import Sequence
-from engine.xgrammar_backend import XGrammarFiller
 
 
 @dataclass
@@ -71,11 +69,7 @@ class TokenMasker:
         """`threads`: llguidance's pool size (mask_threads() when not given)."""
         self.device = device
         self.threads = threads or mask_threads()
-        # xgrammar's masks take microseconds a row: a step's rows are filled on one thread, which spares the hand-offs
-        # a pool costs (bench/structured.py --xgrammar-threads measures more)
-        self.xgrammar_threads = 1
         self._executor = None
-        self._xgrammar: XGrammarFiller | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
@@ -98,13 +92,6 @@ class TokenMasker:
 
             self._executor = llguidance.LLExecutor(self.threads)
         return self._executor
-
-    @property
-    def xgrammar(self) -> XGrammarFiller:
-        """xgrammar's batch matcher, made on first use."""
-        if self._xgrammar is None:
-            self._xgrammar = XGrammarFiller(self.xgrammar_threads)
-        return self._xgrammar
 
     def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
         """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
@@ -144,7 +131,7 @@ class TokenMasker:
             words[copied] = ahead.words[copied_from]
         if fresh:
             self._catch_up([seqs[i] for i in fresh])
-            self._fill(words, [(seqs[i].grammar, i) for i in fresh])
+            self._fill(words, [(seqs[i].grammar.matcher, i) for i in fresh])
         return words, len(copied)
 
     def _new_words(self, num_rows: int, mask_words: int) -> torch.Tensor:
@@ -197,11 +184,11 @@ class TokenMasker:
         live = [(row, grammar) for row, ref in items if (grammar := ref()) is not None]
         if not live:
             return None
-        accepted = self._consume([(g, values[row]) for row, g in live])
+        accepted = self._consume([(g.matcher, values[row]) for row, g in live])
         for (row, grammar), ok in zip(live, accepted):
             grammar.consumed(tokens.seqs[row], values[row], ok)
         words = words[: len(live)]
-        self._fill(words, [(g, i) for i, (_, g) in enumerate(live)])
+        self._fill(words, [(g.matcher, i) for i, (_, g) in enumerate(live)])
         self.ahead_seconds += time.perf_counter() - started
         return _Ahead([weakref.ref(g) for _, g in live], [g.num_consumed for _, g in live], words)
 
@@ -216,43 +203,20 @@ class TokenMasker:
             elif new:
                 seq.grammar.consume(seq, new)
         if singles:
-            accepted = self._consume([(seq.grammar, token) for seq, token in singles])
+            accepted = self._consume([(seq.grammar.matcher, token) for seq, token in singles])
             for (seq, token), ok in zip(singles, accepted):
                 seq.grammar.consumed(seq, token, ok)
 
-    def _consume(self, pairs: list[tuple[SequenceGrammar, int]]) -> list[bool]:
-        """Each matcher consumes its token: one call per library (both release the GIL; llguidance's runs in
-        parallel). A done or broken xgrammar matcher accepts nothing more."""
+    def _consume(self, pairs: list[tuple[object, int]]) -> list[bool]:
+        """Each matcher consumes its token, in parallel (llguidance releases the GIL)."""
         started = time.perf_counter()
-        accepted = [False] * len(pairs)
-        ll = [i for i, (g, _) in enumerate(pairs) if g.backend == "llguidance"]
-        xg = [i for i, (g, _) in enumerate(pairs) if g.backend == "xgrammar" and not g.ends_only]
-        if ll:
-            for i, ok in zip(ll, self.executor.consume_token_par([(pairs[i][0].matcher, pairs[i][1]) for i in ll])):
-                accepted[i] = ok
-        if xg:
-            for i, ok in zip(xg, self.xgrammar.accept([pairs[i][0].matcher for i in xg], [pairs[i][1] for i in xg])):
-                accepted[i] = ok
+        accepted = self.executor.consume_token_par(pairs)
         self.native_seconds += time.perf_counter() - started
         return accepted
 
-    def _fill(self, words: torch.Tensor, targets: list[tuple[SequenceGrammar, int]]) -> None:
-        """Each grammar's mask into its row of words (contiguous): one call per library (both release the GIL;
-        llguidance's fills rows in parallel)."""
+    def _fill(self, words: torch.Tensor, targets: list[tuple[object, int]]) -> None:
+        """Each matcher's mask into its row of words (contiguous), in parallel (llguidance releases the GIL)."""
         started = time.perf_counter()
-        ll, xg_matchers, xg_rows = [], [], []
-        for grammar, row in targets:
-            if grammar.backend == "llguidance":
-                ll.append((grammar.matcher, row))
-            elif grammar.ends_only:
-                with torch.inference_mode():  # the buffer may be an inference tensor, and this the worker thread
-                    words[row] = grammar.stop_row
-            else:
-                xg_matchers.append(grammar.matcher)
-                xg_rows.append(row)
-        if ll:
-            row_bytes = words.shape[1] * words.element_size()
-            self.executor.unsafe_compute_mask_ptr(ll, words.data_ptr(), row_bytes, words.shape[0])
-        if xg_matchers:
-            self.xgrammar.fill(words, xg_matchers, xg_rows)
+        row_bytes = words.shape[1] * words.element_size()
+        self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), row_bytes, words.shape[0])
         self.native_seconds += time.perf_counter() - started

@@ -105,32 +105,13 @@ def test_async_sync_and_preempted_runs_give_the_same_valid_outputs(tiny) -> None
 def test_sequences_spread_over_several_lexers_write_the_same_documents(tiny) -> None:
     """Copies of one matcher share its lexer, so the engine spreads a grammar's sequences over several templates,
     each compiled on its own, and fills their masks in parallel: the documents stay the same, token for token."""
-    one_lexer = tiny(grammar_backend="llguidance")
+    one_lexer = tiny()
     one_lexer.engine.grammars.lexers, one_lexer.engine.runner.token_masker.threads = 1, 1
     expected = run(one_lexer, mixed_requests() * 2)
-    spread = tiny(grammar_backend="llguidance")
+    spread = tiny()
     spread.engine.grammars.lexers, spread.engine.runner.token_masker.threads = 3, 2
     assert run(spread, mixed_requests() * 2) == expected
     assert len(spread.engine.grammars.compile(mixed_requests()[0].structured_outputs).templates) == 2
-
-
-def test_json_schemas_xgrammar_enforces_go_to_it_and_the_rest_to_llguidance(tiny) -> None:
-    """Both libraries write valid documents of the same requests, in the same steps; "auto" sends a JSON schema to
-    xgrammar only where it enforces every keyword (a `pattern` stays with llguidance, as do regexes, choices and
-    grammars)."""
-    by_llguidance = tiny(grammar_backend="llguidance")
-    check_mixed(run(by_llguidance, mixed_requests()))
-    auto = tiny()
-    check_mixed(run(auto, mixed_requests()))
-    backend = {p.structured_outputs.kind + ":" + str(i): auto.engine.grammars.compile(p.structured_outputs).backend
-               for i, p in enumerate(mixed_requests()) if p.structured_outputs is not None}
-    assert backend == {"json:0": "xgrammar", "json:1": "xgrammar", "json:3": "xgrammar", "regex:4": "llguidance",
-                       "choice:5": "llguidance", "json:6": "xgrammar", "json:7": "xgrammar"}
-    assert {by_llguidance.engine.grammars.compile(p.structured_outputs).backend
-            for p in mixed_requests() if p.structured_outputs is not None} == {"llguidance"}
-    patterned = StructuredOutputs(json={"type": "object", "properties": {"zip": {"type": "string",
-                                                                                "pattern": "^[0-9]{5}$"}}})
-    assert auto.engine.grammars.compile(patterned).backend == "llguidance"
 
 
 def test_unconstrained_rows_are_untouched_by_their_neighbours_masks(llm: LLM) -> None:

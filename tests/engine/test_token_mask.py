@@ -1,8 +1,6 @@
-"""A step's token masks filled in one call per grammar library (engine/token_mask.py: llguidance's thread pool,
-xgrammar's batch matcher) are the masks each matcher computes alone, on random walks through several grammars —
-with llguidance alone, their sequences spread over several lexers (engine/grammar.py), and with xgrammar serving the
-JSON schemas beside llguidance's regex in the same steps — whether the engine thread fills them or the worker
-fills them a step ahead."""
+"""A step's token masks filled by llguidance's thread pool (engine/token_mask.py) are the masks each matcher
+computes alone, on random walks through several grammars whose sequences are spread over several lexers
+(engine/grammar.py), whether the engine thread fills them or the worker fills them a step ahead."""
 
 from __future__ import annotations
 
@@ -26,14 +24,10 @@ NUM_SEQS = 10
 LEXERS = 3
 
 
-def make_grammars(backend: str) -> GrammarCompiler:
+@pytest.fixture
+def grammars() -> GrammarCompiler:
     tokenizer = smollm2_tokenizer()
-    return GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=LEXERS, backend=backend)
-
-
-@pytest.fixture(params=["llguidance", "auto"])
-def grammars(request: pytest.FixtureRequest) -> GrammarCompiler:
-    return make_grammars(request.param)
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=LEXERS)
 
 
 def new_sequences(grammars: GrammarCompiler) -> list[Sequence]:
@@ -46,18 +40,10 @@ def new_sequences(grammars: GrammarCompiler) -> list[Sequence]:
 
 
 def alone(seq: Sequence) -> torch.Tensor:
-    """The sequence's mask as its matcher computes it by itself (llguidance's own rounds up to a word more; an
-    xgrammar matcher that is done or broken allows end-of-sequence only)."""
-    grammar = seq.grammar
-    if grammar.backend == "xgrammar":
-        if grammar.ends_only:
-            return grammar.stop_row
-        words = torch.zeros((1, grammar.mask_words), dtype=torch.int32)
-        grammar.matcher.fill_next_token_bitmask(words, 0)
-        return words[0]
-    words = torch.frombuffer(bytearray(grammar.matcher.compute_bitmask()), dtype=torch.int32)
-    assert not words[grammar.mask_words:].any()
-    return words[: grammar.mask_words]
+    """The sequence's mask as its matcher computes it by itself (llguidance's own rounds up to a word more)."""
+    words = torch.frombuffer(bytearray(seq.grammar.matcher.compute_bitmask()), dtype=torch.int32)
+    assert not words[seq.grammar.mask_words:].any()
+    return words[: seq.grammar.mask_words]
 
 
 def allowed(words: torch.Tensor) -> list[int]:
@@ -73,8 +59,7 @@ def random_step(seqs: list[Sequence], words: torch.Tensor, rows: torch.Tensor, r
     return [rng.choice(allowed(row)) for row in words]
 
 
-def test_grammars_spread_their_sequences_over_lexers() -> None:
-    grammars = make_grammars("llguidance")
+def test_grammars_spread_their_sequences_over_lexers(grammars: GrammarCompiler) -> None:
     new_sequences(grammars)  # sequence i follows SPECS[i % 4]: 3, 3, 2 and 2 sequences
     assert [len(grammars.compile(spec).templates) for spec in SPECS] == [3, 3, 2, 2]
     new_sequences(grammars)
@@ -87,15 +72,13 @@ def test_masks_filled_in_parallel_equal_each_matchers_own(grammars: GrammarCompi
     seqs = new_sequences(grammars)
     masker = TokenMasker(torch.device("cpu"), threads=threads)
     for _ in range(25):
-        live = [seq for seq in seqs if not seq.grammar.stopped]
+        live = [seq for seq in seqs if not seq.grammar.matcher.is_stopped()]
         if not live:
             break
         mask = masker.for_step(live)
         for seq, token in zip(live, random_step(live, mask.words, mask.rows, rng)):
             seq.token_ids.append(token)  # as the engine reads it; the next step's matcher consumes it
     assert masker.rows_ahead == 0 and masker.rows > 100
-    assert {s.grammar.backend for s in seqs} == ({"llguidance", "xgrammar"} if grammars.backend == "auto"
-                                                  else {"llguidance"})
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -109,7 +92,7 @@ def test_masks_filled_ahead_by_the_worker_equal_each_matchers_own(grammars: Gram
         if step == 12:
             seqs = seqs[1:]
         masker.wait()  # the engine thread touches no matcher while the worker does
-        live = [seq for seq in seqs if not seq.grammar.stopped]
+        live = [seq for seq in seqs if not seq.grammar.matcher.is_stopped()]
         if not live:
             break
         mask = masker.for_step(live)
