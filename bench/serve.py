@@ -81,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gateway processes in front of the engine core (`platform serve --local --api-servers N`)")
     p.add_argument("--json", type=Path)
     p.add_argument("--chart", type=Path)
-    p.add_argument("--profile", type=Path, help="a directory: py-spy samples the gateway and its engine core during "
-                   "the first timed rate (gateway_stacks.txt, and its summary gateway_stacks.json)")
+    p.add_argument("--profile", type=Path, help="a directory: py-spy samples the gateway, its API processes and its "
+                   "engine core during each timed rate (gateway_stacks_<rate>.txt, and its summary .json)")
     args = p.parse_args(argv)
     targets = args.targets.split(",")
     if not targets or any(t not in TARGETS for t in targets):
@@ -188,8 +188,9 @@ def run_target(target: str, args: argparse.Namespace, fields: dict[str, Any], re
             if target == "async":
                 results, seconds = runner.run(batch, offsets, args.max_concurrency, name, salt, vocab_size)
             else:
-                profiled = args.profile is not None and label == rates[0][0]
-                with GatewayProfile(runner.proc.pid, args.profile) if profiled else contextlib.nullcontext():
+                profiled = args.profile is not None and label != "warmup"
+                with GatewayProfile(runner.proc.pid, args.profile, label) if profiled \
+                        else contextlib.nullcontext():
                     results, seconds = runner.run(batch, offsets, args.max_concurrency, name, salt, vocab_size,
                                                   args.client_procs)
             every += results

@@ -15,10 +15,11 @@ from typing import Any
 
 
 class GatewayProfile:
-    """`with GatewayProfile(pid, out_dir):` records raw stacks of pid and its children into out_dir/gateway.txt."""
+    """`with GatewayProfile(pid, out_dir, tag):` records raw stacks of pid and its children into
+    out_dir/gateway_stacks_<tag>.txt, and their summary beside it (.json)."""
 
-    def __init__(self, pid: int, out_dir: Path, rate_hz: int = 250) -> None:
-        self.pid, self.out, self.rate = pid, out_dir / "gateway_stacks.txt", rate_hz
+    def __init__(self, pid: int, out_dir: Path, tag: str, rate_hz: int = 250) -> None:
+        self.pid, self.out, self.rate = pid, out_dir / f"gateway_stacks_{tag}.txt", rate_hz
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "GatewayProfile":

@@ -223,6 +223,11 @@ class GatewayTarget:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        # the engine core's own account of how long it spent handing each step's outputs to the API processes
+        self.core_hand_off = [line.split("engine core stopping: ", 1)[1]
+                              for line in Path(self.log.name).read_text().splitlines() if "engine core stopping: " in line]
+        for line in self.core_hand_off:
+            print(f"gateway's engine core: {line}", flush=True)
         with sqlite3.connect(self.home / "tollgate.db") as db:
             rows = db.execute("SELECT request_id, completion_tokens, status, ttft_s FROM usage_events").fetchall()
         events = {rid: (tokens, status) for rid, tokens, status, _ in rows}
@@ -235,7 +240,8 @@ class GatewayTarget:
         return {"events": len(rows), "client_completed": len(done), "matched": matched,
                 "exact": matched == len(done) == len(rows),
                 "ttft_ms_engine": distribution([engine_ttft[r.request_id] for r in timed]),
-                "ttft_ms_outside_engine": distribution([r.ttft - engine_ttft[r.request_id] for r in timed])}
+                "ttft_ms_outside_engine": distribution([r.ttft - engine_ttft[r.request_id] for r in timed]),
+                "core_hand_off": self.core_hand_off}
 
 
 def _body(req: ServeRequest, salt: int, vocab_size: int) -> dict[str, Any]:

@@ -382,6 +382,29 @@ class _Fronts:
         return gone
 
 
+class _HandOffTimes:
+    """How long the core spends handing steps' outputs to its fronts: a front that reads slowly fills its socket and
+    blocks the core's send, and with it every request's next step."""
+
+    def __init__(self, fronts: int) -> None:
+        self.fronts = fronts
+        self.count = 0
+        self.total_s = 0.0
+        self.longest_s = 0.0
+        self.over_1ms = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.longest_s = max(self.longest_s, seconds)
+        self.over_1ms += seconds > 1e-3
+
+    def __str__(self) -> str:
+        mean_us = self.total_s / self.count * 1e6 if self.count else 0.0
+        return (f"{self.count} steps' outputs handed to {self.fronts} connection(s) in {self.total_s:.2f} s (mean "
+                f"{mean_us:.0f} us, longest {self.longest_s * 1e3:.1f} ms, {self.over_1ms} over 1 ms)")
+
+
 def serve(conns: list[Connection]) -> None:
     control = conns[0]
     config: EngineConfig = control.recv()
@@ -398,6 +421,7 @@ def serve(conns: list[Connection]) -> None:
         return
     fronts.broadcast(("ready", (engine.model_config.vocab_size, engine.max_model_len)))
     loop = CoreLoop(engine)
+    handed = _HandOffTimes(len(conns))
     loads = _AdapterLoads(engine, fronts)
     try:
         while True:
@@ -459,11 +483,14 @@ def serve(conns: list[Connection]) -> None:
                 refusals.append((request_id, _picklable(error)))
             deltas = aborted + (loop.step() if loop.has_work else [])
             if deltas or refusals:
+                handing = time.perf_counter()
                 fronts.route(deltas, refusals)
+                handed.add(time.perf_counter() - handing)
     except BaseException as e:  # noqa: BLE001
         log.exception("engine core failed")
         fronts.broadcast(("died", _picklable(e)))
     finally:
+        log.info("engine core stopping: %s", handed)
         engine.close()
 
 

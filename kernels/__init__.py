@@ -56,6 +56,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
             key: importlib.import_module(f"kernels.{name}")
             for key, name in [
                 ("activation", "activation"),
+                ("lora_epilogue", "lora_epilogue"),
                 ("argmax", "row_argmax"),
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
@@ -239,23 +240,24 @@ def norm_project_add(project, x: torch.Tensor, norm: Norm | None = None,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: Norm | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias; with norm, of rms_norm(x, *norm); with residual [..., N], plus it. One
     row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the decode GEMV, which reads the weight faster than
-    cuBLAS does at M = 1 and fuses the norm and the residual add; everything else is F.linear and separate ops."""
-    return _linear(x, weight, bias, norm, residual, gated=False)
+    cuBLAS does at M = 1 and fuses the norm and the residual add; everything else is F.linear and separate ops.
+    lora: a LoRATerm (lora_term) added to the product, in the GEMV's epilogue where it runs."""
+    return _linear(x, weight, bias, norm, residual, gated=False, lora=lora)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        norm: Norm | None = None) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias, norm=norm)) for a fused gate_up weight [2N, K] -> [..., N]; at one row on
-    CUDA the decode GEMV applies the SiLU and product itself, saving a kernel."""
+                        norm: Norm | None = None, lora=None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias, norm=norm, lora=lora)) for a fused gate_up weight [2N, K] -> [..., N]; at
+    one row on CUDA the decode GEMV applies the SiLU and product itself, saving a kernel."""
     if weight.shape[0] % 2:
-        return silu_and_mul(linear(x, weight, bias, norm=norm))
-    return _linear(x, weight, bias, norm, None, gated=True)
+        return silu_and_mul(linear(x, weight, bias, norm=norm, lora=lora))
+    return _linear(x, weight, bias, norm, None, gated=True, lora=lora)
 
 
-def _linear(x, weight, bias, norm, residual, gated: bool) -> torch.Tensor:
+def _linear(x, weight, bias, norm, residual, gated: bool, lora=None) -> torch.Tensor:
     if ops := _gemv_row(x, weight):
         n, k = weight.shape
         configs = ops.gemv_configs
@@ -264,10 +266,39 @@ def _linear(x, weight, bias, norm, residual, gated: bool) -> torch.Tensor:
         else:
             config = configs.normed_gemv_config(n, k, weight.dtype, gated)
         if config is not None:
-            return ops.gemv.gemv(x, weight, None, bias, config=config, gated=gated, norm=norm, residual=residual)
-        return _linear(rms_norm(x, *norm), weight, bias, None, residual, gated)
-    out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, residual)
+            return ops.gemv.gemv(x, weight, None, bias, config=config, gated=gated, norm=norm, residual=residual,
+                                 lora=lora)
+        if lora is None:
+            return _linear(rms_norm(x, *norm), weight, bias, None, residual, gated)
+    if lora is None:
+        out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, residual)
+        return silu_and_mul(out) if gated else out
+    # the LoRA term before the residual and the gate: the base product, the expand (which applies the shrink's norm
+    # scale), then the rest
+    out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, None)
+    rows = out.view(-1, out.shape[-1])
+    _triton_for(x).punica_expand.bgmv_expand_(rows, lora.shrunk, lora.b_stack, lora.indices, lora.slice_offsets,
+                                              lora.slice_offsets_host, lora.rank)
+    if residual is not None:
+        out = out + residual
     return silu_and_mul(out) if gated else out
+
+
+def lora_into_gemv(x: torch.Tensor, weight: torch.Tensor | None, indices: LoRAIndices) -> bool:
+    """Whether a projection's LoRA expand rides in its decode GEMV (linear's `lora`): one row of activations on CUDA,
+    a weight the GEMV takes, one token per sequence (kernels/lora_epilogue.py)."""
+    return (isinstance(weight, torch.Tensor) and indices.one_token_per_seq and not indices.grouped
+            and _gemv_row(x, weight) is not None)
+
+
+def lora_term(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
+              slice_offsets_host: list[int], rank: int, indices: LoRAIndices, norm: Norm | None = None):
+    """The shrink of a batch-1 decode step's LoRA term (of rms_norm(x, *norm) with a norm), for linear's `lora`: the
+    expand is left to the projection's GEMV. CUDA only (lora_into_gemv)."""
+    check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+    ops = _triton_for(x)
+    shrunk = ops.punica_shrink.bgmv_shrink(x.view(-1, x.shape[-1]), a_stack, indices, norm=norm)
+    return ops.lora_epilogue.LoRATerm(shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)

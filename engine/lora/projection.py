@@ -1,7 +1,9 @@
 """A base projection with the LoRA term of each token's adapter added to its output. The base layer runs as in a
 step without adapters (its fused norm and residual add included); the LoRA kernels take the same norm, so the LoRA
 term sees the same normed input as the base weight. The gate|up projection's SiLU product must see the LoRA term, so
-with adapters it moves from the base layer's epilogue to the LoRA kernels' (decode) or after the add."""
+with adapters it moves from the base layer's epilogue to the LoRA kernels' (decode) or after the add. At batch 1 on
+CUDA the shrink runs first and the base GEMV adds the expand in its epilogue, the gate's product included
+(kernels/lora_epilogue.py): four kernels fewer a layer."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from torch import nn
 import kernels as ops
 from engine.lora.slot_pool import GroupStacks, LoRASlotPool
 from engine.lora.targets import GROUP_MODULES
-from engine.models.linear import gate_up_silu
+from engine.models.linear import Linear, gate_up_silu
 from kernels.lora_indices import LoRAIndices
 
 
@@ -38,8 +40,10 @@ class LoRAProjection(nn.Module):
         kwargs = {} if norm is None else {"norm": norm}
         if residual is not None:
             kwargs["residual"] = residual
-        out = self.base(x, **kwargs)
         indices = self.step.indices
+        if self._expand_in_gemv(x, indices):
+            return self.base(x, **kwargs, lora=ops.lora_term(x, *self._stacks(), indices, norm=norm))
+        out = self.base(x, **kwargs)
         if indices is not None:
             ops.lora_add_(out.view(-1, out.shape[-1]), x.view(-1, x.shape[-1]), *self._stacks(), indices, norm=norm)
         return out
@@ -48,10 +52,18 @@ class LoRAProjection(nn.Module):
         indices = self.step.indices
         if indices is None:
             return gate_up_silu(self.base, x, norm)
+        if self._expand_in_gemv(x, indices):
+            return self.base.forward_silu_and_mul(x, norm=norm, lora=ops.lora_term(x, *self._stacks(), indices,
+                                                                                  norm=norm))
         out = self.base(x) if norm is None else self.base(x, norm=norm)
         rows = ops.lora_add_silu_and_mul(out.view(-1, out.shape[-1]), x.view(-1, x.shape[-1]), *self._stacks(),
                                          indices, norm=norm)
         return rows.view(*out.shape[:-1], rows.shape[-1])
+
+    def _expand_in_gemv(self, x: torch.Tensor, indices: LoRAIndices | None) -> bool:
+        """A batch-1 decode step over a plain linear: the expand rides in its GEMV (kernels/lora_epilogue.py)."""
+        return indices is not None and isinstance(self.base, Linear) and ops.lora_into_gemv(x, self.base.weight,
+                                                                                            indices)
 
     def _stacks(self) -> tuple:
         s = self.stacks

@@ -36,6 +36,8 @@ def test_the_three_targets_serve_the_same_requests_and_the_ledger_reconciles(tmp
         "events": 14, "client_completed": 14, "matched": 14, "exact": True}
     assert 0 < ledger["ttft_ms_engine"]["p50"] <= ledger["ttft_ms_engine"]["p99"]
     assert ledger["ttft_ms_outside_engine"]["p50"] > 0  # HTTP, admission and the client take some time
+    [hand_off] = ledger["core_hand_off"]  # the engine core's time handing outputs to its spawner and 2 API processes
+    assert "handed to 3 connection(s)" in hand_off
     assert chart.read_text().startswith("<svg")
 
 
