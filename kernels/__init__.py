@@ -56,7 +56,6 @@ def _triton_modules() -> types.SimpleNamespace | None:
             key: importlib.import_module(f"kernels.{name}")
             for key, name in [
                 ("activation", "activation"),
-                ("lora_epilogue", "lora_epilogue"),
                 ("argmax", "row_argmax"),
                 ("cache_ops", "cache_ops"),
                 ("norm", "norm"),
@@ -240,24 +239,23 @@ def norm_project_add(project, x: torch.Tensor, norm: Norm | None = None,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: Norm | None = None,
-           residual: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias; with norm, of rms_norm(x, *norm); with residual [..., N], plus it. One
     row of bf16 / fp16 activations on CUDA (batch-1 decode) runs the decode GEMV, which reads the weight faster than
-    cuBLAS does at M = 1 and fuses the norm and the residual add; everything else is F.linear and separate ops.
-    lora: a LoRATerm (lora_term) added to the product, in the GEMV's epilogue where it runs."""
-    return _linear(x, weight, bias, norm, residual, gated=False, lora=lora)
+    cuBLAS does at M = 1 and fuses the norm and the residual add; everything else is F.linear and separate ops."""
+    return _linear(x, weight, bias, norm, residual, gated=False)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        norm: Norm | None = None, lora=None) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias, norm=norm, lora=lora)) for a fused gate_up weight [2N, K] -> [..., N]; at
-    one row on CUDA the decode GEMV applies the SiLU and product itself, saving a kernel."""
+                        norm: Norm | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias, norm=norm)) for a fused gate_up weight [2N, K] -> [..., N]; at one row on
+    CUDA the decode GEMV applies the SiLU and product itself, saving a kernel."""
     if weight.shape[0] % 2:
-        return silu_and_mul(linear(x, weight, bias, norm=norm, lora=lora))
-    return _linear(x, weight, bias, norm, None, gated=True, lora=lora)
+        return silu_and_mul(linear(x, weight, bias, norm=norm))
+    return _linear(x, weight, bias, norm, None, gated=True)
 
 
-def _linear(x, weight, bias, norm, residual, gated: bool, lora=None) -> torch.Tensor:
+def _linear(x, weight, bias, norm, residual, gated: bool) -> torch.Tensor:
     if ops := _gemv_row(x, weight):
         n, k = weight.shape
         configs = ops.gemv_configs
@@ -266,39 +264,10 @@ def _linear(x, weight, bias, norm, residual, gated: bool, lora=None) -> torch.Te
         else:
             config = configs.normed_gemv_config(n, k, weight.dtype, gated)
         if config is not None:
-            return ops.gemv.gemv(x, weight, None, bias, config=config, gated=gated, norm=norm, residual=residual,
-                                 lora=lora)
-        if lora is None:
-            return _linear(rms_norm(x, *norm), weight, bias, None, residual, gated)
-    if lora is None:
-        out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, residual)
-        return silu_and_mul(out) if gated else out
-    # the LoRA term before the residual and the gate: the base product, the expand (which applies the shrink's norm
-    # scale), then the rest
-    out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, None)
-    rows = out.view(-1, out.shape[-1])
-    _triton_for(x).punica_expand.bgmv_expand_(rows, lora.shrunk, lora.b_stack, lora.indices, lora.slice_offsets,
-                                              lora.slice_offsets_host, lora.rank)
-    if residual is not None:
-        out = out + residual
+            return ops.gemv.gemv(x, weight, None, bias, config=config, gated=gated, norm=norm, residual=residual)
+        return _linear(rms_norm(x, *norm), weight, bias, None, residual, gated)
+    out = norm_project_add(lambda h: F.linear(h, weight, bias), x, norm, residual)
     return silu_and_mul(out) if gated else out
-
-
-def lora_into_gemv(x: torch.Tensor, weight: torch.Tensor | None, indices: LoRAIndices) -> bool:
-    """Whether a projection's LoRA expand rides in its decode GEMV (linear's `lora`): one row of activations on CUDA,
-    a weight the GEMV takes, one token per sequence (kernels/lora_epilogue.py)."""
-    return (isinstance(weight, torch.Tensor) and indices.one_token_per_seq and not indices.grouped
-            and _gemv_row(x, weight) is not None)
-
-
-def lora_term(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
-              slice_offsets_host: list[int], rank: int, indices: LoRAIndices, norm: Norm | None = None):
-    """The shrink of a batch-1 decode step's LoRA term (of rms_norm(x, *norm) with a norm), for linear's `lora`: the
-    expand is left to the projection's GEMV. CUDA only (lora_into_gemv)."""
-    check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
-    ops = _triton_for(x)
-    shrunk = ops.punica_shrink.bgmv_shrink(x.view(-1, x.shape[-1]), a_stack, indices, norm=norm)
-    return ops.lora_epilogue.LoRATerm(shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -321,15 +290,11 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     weights read once), which fuse the norm and launch nothing else (what a CUDA graph of the step captures), other
     steps the SGMV ones."""
     check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+    if lora_decode_halves(x, indices):
+        lora_expand_(y, lora_shrink(x, a_stack, indices, norm), b_stack, slice_offsets, slice_offsets_host, rank,
+                     indices)
+        return
     if ops := _triton_for(x):
-        if indices.one_token_per_seq and indices.grouped:
-            shrunk = ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm)
-            ops.punica_expand.grouped_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
-            return
-        if indices.one_token_per_seq:
-            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
-            ops.punica_expand.bgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
-            return
         x = x if norm is None else ops.norm.rms_norm(x, *norm)
         shrunk = ops.punica_shrink.sgmv_shrink(x, a_stack, indices)
         ops.punica_expand.sgmv_expand_(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
@@ -339,19 +304,51 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     _ref.lora_expand_(y, shrunk, b_stack, indices.token_slots, slice_offsets_host, rank)
 
 
+def lora_decode_halves(x: torch.Tensor, indices: LoRAIndices) -> bool:
+    """Whether a decode step's LoRA term can run as lora_shrink on a stream of its own beside the base projection,
+    then lora_expand_ after it: one token per sequence on CUDA."""
+    return indices.one_token_per_seq and _triton_for(x) is not None
+
+
+def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, norm: Norm | None = None,
+                stream: torch.cuda.Stream | None = None):
+    """A decode step's shrink (lora_decode_halves): per token or grouped by slot as the indices say, on `stream` once
+    the current stream's work so far is done; the current stream must wait for `stream` before lora_expand_."""
+    ops = _triton_for(x)
+    if indices.grouped:
+        return ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm, stream=stream)
+    return ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm, stream=stream)
+
+
+def lora_expand_(y: torch.Tensor, shrunk, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
+                 slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> None:
+    """y [T, N] += each token's expand of lora_shrink's result, in place (lora_add_'s second half)."""
+    ops = _triton_for(y)
+    expand = ops.punica_expand.grouped_expand_ if indices.grouped else ops.punica_expand.bgmv_expand_
+    expand(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
+
+
+def lora_expand_silu_and_mul(y: torch.Tensor, shrunk, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
+                             slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> torch.Tensor:
+    """silu_and_mul of a fused gate|up projection's output y [T, 2N] after lora_expand_, in one kernel."""
+    ops = _triton_for(y)
+    if slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]]:
+        if indices.grouped:
+            return ops.punica_expand.grouped_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
+        return ops.punica_expand.bgmv_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
+    lora_expand_(y, shrunk, b_stack, slice_offsets, slice_offsets_host, rank, indices)
+    return silu_and_mul(y)
+
+
 def lora_add_silu_and_mul(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
                           slice_offsets: torch.Tensor, slice_offsets_host: list[int], rank: int, indices: LoRAIndices,
                           norm: Norm | None = None) -> torch.Tensor:
     """silu_and_mul of a fused gate|up projection's output y [T, 2N] after lora_add_ (its two slices of N columns);
     on CUDA a decode step adds the expand and the product in one kernel. y may be overwritten."""
-    if ops := _triton_for(x):
-        if indices.one_token_per_seq and slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]]:
-            check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
-            if indices.grouped:
-                shrunk = ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm)
-                return ops.punica_expand.grouped_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
-            shrunk = ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm)
-            return ops.punica_expand.bgmv_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
+    if lora_decode_halves(x, indices):
+        check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
+        return lora_expand_silu_and_mul(y, lora_shrink(x, a_stack, indices, norm), b_stack, slice_offsets,
+                                        slice_offsets_host, rank, indices)
     lora_add_(y, x, a_stack, b_stack, slice_offsets, slice_offsets_host, rank, indices, norm=norm)
     return silu_and_mul(y)
 

