@@ -68,11 +68,12 @@ step throughput_1b_vs_hf 150 "$PY" -m bench.throughput --model random:llama-1b -
 step gemv 60 "$PY" bench/gemv.py --json "$RESULTS/gemv.json"
 part 2
 # serving: the same requests offline, through AsyncEngine and through the HTTP gateway (issue 34): one API process,
-# then four in front of the same engine core (platform serve --local --api-servers 4)
+# then four in front of the same engine core (platform serve --local --api-servers 4), read by three client processes:
+# with six, the clients and the API processes took the 16 cores the engine core needs (docs/benchmarks/serving.md)
 step serve_1b 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --dataset nano --num-prompts 256 \
   --request-rate inf,0.7x --client-procs 6 --json "$RESULTS/serve_1b.json" --chart "$RESULTS/serve_1b.svg"
 step serve_1b_api4 170 "$PY" -m bench.serve --model random:llama-1b --device cuda --dataset nano --num-prompts 256 \
-  --request-rate inf,0.7x --client-procs 6 --api-servers 4 --json "$RESULTS/serve_1b_api4.json" \
+  --request-rate inf,0.7x --client-procs 3 --api-servers 4 --json "$RESULTS/serve_1b_api4.json" \
   --chart "$RESULTS/serve_1b_api4.svg"
 step engine_start_8b 120 "$PY" -m bench.engine_start --model random:llama-8b --device cuda \
   --json "$RESULTS/engine_start_8b.json"
