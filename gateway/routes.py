@@ -107,12 +107,12 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
 async def parsed_body(request: Request, model: type[Body]) -> Body:
     """The body as `model`, checked as FastAPI checks a body parameter (JSON decoded, then validated strictly)."""
     raw = await request.body()
+    if not raw:
+        raise invalid_request("The request body is empty: send a JSON object.", None, "invalid_body")
     try:
-        data = json.loads(raw) if raw else None
+        data = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise invalid_json() from None
-    if data is None:
-        raise invalid_request("The request body is empty: send a JSON object.", None, "invalid_body")
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 
 from billing.accounts import create_key, create_tenant, revoke_key
 from billing.models import UsageEvent
-from gateway.errors import install
+from gateway.direct_routes import DirectRoutes
+from gateway.errors import APIError, install
 from tests.gateway.conftest import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -49,6 +50,10 @@ def test_bad_requests(http, server, shared_db):
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     r = http.post(CHAT, content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"})
     _assert_error(r, 400, "invalid_json")
+    for empty_or_not_an_object in (b"", b"null", b"[]", b'"hi"'):
+        r = http.post(CHAT, content=empty_or_not_an_object, headers={"Content-Type": "application/json"})
+        _assert_error(r, 400, "invalid_body")
+    assert http.get(CHAT).status_code == 405  # the route is the app's too: other methods answered as before
     _assert_error(http.post(CHAT, json={"model": MODEL}), 400, param="messages")
     _assert_error(http.post(CHAT, json={**ok, "max_tokens": "five"}), 400, param="max_tokens")
     _assert_error(http.post(CHAT, json={**ok, "max_tokens": 0}), 400, param="max_tokens")
@@ -133,6 +138,25 @@ def test_every_response_carries_one_request_id_and_echoes_the_clients(server, ht
     assert r.headers.get_list("x-request-id") == [r.json()["id"]]  # the completion's own id
     r = http.get("/v1/models", headers={"x-request-id": "trace-42"})
     assert r.headers.get_list("x-request-id") == ["trace-42"]
+
+
+def test_an_unexpected_error_on_a_direct_route_is_a_500_in_openais_shape() -> None:
+    """gateway/direct_routes.py answers the completion routes past FastAPI's handlers: a bug there still gets the
+    OpenAI-shaped 500, and an APIError its own status."""
+
+    async def fails(request) -> None:
+        raise RuntimeError("a bug")
+
+    async def refuses(request) -> None:
+        raise APIError(429, "slow down", "requests", "rate_limit_exceeded")
+
+    app = DirectRoutes(FastAPI(), {"/fails": fails, "/refuses": refuses})
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/fails")
+        assert r.headers["content-type"] == "application/json"
+        _assert_error(r, 500, "internal_error")
+        _assert_error(client.post("/refuses"), 429, "rate_limit_exceeded")
+        assert client.get("/fails").status_code == 404  # not a POST: the app's own routing
 
 
 def test_an_unexpected_error_is_a_500_in_openais_shape_not_plain_text() -> None:
