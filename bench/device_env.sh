@@ -5,7 +5,8 @@
 #   bash bench/device_env.sh download   # here, with PyPI: wheels for CPython 3.12 manylinux x86_64 into .whl/
 #   bash bench/device_env.sh install    # there (the run carries .whl): installs them into /tmp/site
 #   export PYTHONPATH=/tmp/site:$PWD    # then `platform serve --local` and bench/serve.py run on the GPU
-# .whl/ is ignored by git and stays well under the 64 MiB a run may carry (about 25 MB). Ray (79 MB) and the
+# Each package is pinned to the version this checkout's .venv has (what `make test` ran here), where it has it.
+# .whl/ is ignored by git and stays well under the 64 MiB a run may carry (about 35 MB). Ray (79 MB) and the
 # all-MiniLM package (83 MB) do not fit: the Ray Serve path is measured on CPU, and the semantic cache is off there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +21,16 @@ PACKAGES=(fastapi starlette uvicorn httptools pydantic pydantic-core annotated-t
 case "${1:-}" in
   download)
     mkdir -p "$WHEELS"
+    VENV_PY=.venv/bin/python
+    [[ -x $VENV_PY ]] || VENV_PY=python3
+    PINNED=()
+    for package in "${PACKAGES[@]}"; do
+      version=$("$VENV_PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$package" \
+        2>/dev/null) && PINNED+=("$package==$version") || PINNED+=("$package")
+    done
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "${PACKAGES[@]}"
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "${PINNED[@]}"
     du -sh "$WHEELS"
     ;;
   install)

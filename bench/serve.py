@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int,
+                   help="the engine's context (default: 4096, or the model's own limit where it is smaller)")
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--engine-core", choices=("auto", "thread", "process"), default="auto",
                    help="where AsyncEngine (async and http targets) runs the engine")
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(r.endswith("x") for r in args.request_rate.split(",")) and "offline" not in targets:
         p.error("--request-rate: a rate relative to offline (0.7x) needs the offline target")
     args.target_list = targets
+    if args.max_model_len is None:
+        args.max_model_len = min(4096, read_model_config(args.model).max_position_embeddings)
     return args
 
 
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "dataset": args.dataset, "num_prompts": len(requests),
         "output_tokens_asked": sum(r.output_len for r in requests), "engine": fields, "api_servers": args.api_servers, "runs": [],
         "semantic_cache": "off (token-id requests to /v1/completions; the cache answers chat only)",
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
     }
     warm = requests[: len(requests) if args.warmup is None else args.warmup]
     if "offline" in args.target_list:
@@ -228,8 +232,10 @@ def print_table(report: dict[str, Any]) -> None:
     print()
     if offline:
         print(f"offline LLM.generate: {offline['output_tok_s']:,.0f} tok/s, {offline['request_throughput']:.2f} req/s")
+    slo = report.get("slo") or {}
+    goodput = bool(slo.get("ttft_ms") or slo.get("tpot_ms"))
     print(f"{'target':<8}{'rate':>8}{'done':>6}{'req/s':>8}{'tok/s':>10}{'x offl':>8}{'TTFT p50/p99 ms':>18}"
-          f"{'TPOT p50/p99 ms':>18}{'ITL p50 ms':>11}{'E2E p50 ms':>11}")
+          f"{'TPOT p50/p99 ms':>18}{'ITL p50 ms':>11}{'E2E p50 ms':>11}" + (f"{'goodput req/s':>15}" if goodput else ""))
     for r in report["runs"]:
         def pair(key: str) -> str:
             d = r[key]
@@ -237,7 +243,11 @@ def print_table(report: dict[str, Any]) -> None:
 
         print(f"{r['target']:<8}{r['rate']:>8}{r['completed']:>6}{r['request_throughput'] or 0:>8.2f}"
               f"{r['output_tok_s'] or 0:>10,.0f}{r.get('ratio_to_offline', 0):>8.3f}{pair('ttft_ms'):>18}"
-              f"{pair('tpot_ms'):>18}{r['itl_ms']['p50'] or 0:>11.1f}{r['e2e_ms']['p50'] or 0:>11.0f}")
+              f"{pair('tpot_ms'):>18}{r['itl_ms']['p50'] or 0:>11.1f}{r['e2e_ms']['p50'] or 0:>11.0f}"
+              + (f"{r['goodput_req_s'] or 0:>15.2f}" if goodput else ""))
+    if goodput:
+        print(f"goodput: requests a second that met the SLO (TTFT <= {slo.get('ttft_ms') or 'any'} ms, TPOT <= "
+              f"{slo.get('tpot_ms') or 'any'} ms)")
     if "ledger" in report:
         print(f"ledger: {report['ledger']}")
 

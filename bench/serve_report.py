@@ -67,9 +67,11 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
 class Progress:
     """One line on stderr, rewritten at most twice a second: requests done and output tokens/s so far."""
 
-    def __init__(self, label: str, total: int) -> None:
+    def __init__(self, label: str, total: int, start: float | None = None) -> None:
+        """`start`: the perf_counter time the run's clock starts (now when not given)."""
         self.label, self.total, self.done, self.tokens = label, total, 0, 0
-        self.start = self._shown = time.perf_counter()
+        self._shown = time.perf_counter()
+        self.start = self._shown if start is None else start
 
     def update(self, tokens: int) -> None:
         self.done += 1
@@ -87,6 +89,11 @@ class Progress:
 
 
 COLORS = {"async": "#1f77b4", "http": "#d62728", "offline": "#2ca02c"}
+
+
+def tick_label(value: float) -> str:
+    """An axis value with the digits that tell ticks apart: 2.9 and 1.45, not 3 and 1; whole numbers from 100 up."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def latency_chart(runs: list[dict[str, Any]], width: int = 760) -> str:
@@ -111,9 +118,10 @@ def latency_chart(runs: list[dict[str, Any]], width: int = 760) -> str:
         for rate in rates:
             x, _ = xy(rate, 0)
             parts.append(f'<text x="{x}" y="{height - 5}" text-anchor="middle">{rate} req/s</text>')
-        for frac in (0.5, 1.0):
+        parts.append(f'<line x1="{x0}" y1="20" x2="{x0}" y2="{height - 20}" stroke="#999"/>')
+        for frac in (0.0, 0.5, 1.0):
             y = 20 + (height - 40) * (1 - frac / 1.1)
-            parts.append(f'<text x="{x0 - 2}" y="{y}" text-anchor="end">{top / 1.1 * frac:.0f}</text>')
+            parts.append(f'<text x="{x0 - 2}" y="{y}" text-anchor="end">{tick_label(top / 1.1 * frac)}</text>')
         for target in sorted({r["target"] for r in runs}):
             for q, dash in (("p50", ""), ("p99", ' stroke-dasharray="4 3"')):
                 pts = [xy(r["rate"], r[key][q]) for r in runs

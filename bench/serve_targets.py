@@ -10,6 +10,7 @@ import gc
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import sqlite3
 import subprocess
@@ -200,16 +201,22 @@ class GatewayTarget:
             # every client process started (each holds one place at the barrier) before the clock does: a process
             # still starting would send its first requests late and stretch the run
             barrier = manager.Barrier(client_procs)
+            finished = manager.Queue()  # each request's output tokens as it completes: the progress line
             pool.map(_ready, [barrier] * client_procs, chunksize=1)
             start_wall = time.time() + 0.5
-            pending = [pool.apply_async(_client_process, (self.url, self.key, job, start_wall, per_proc))
+            pending = [pool.apply_async(_client_process, (self.url, self.key, job, start_wall, per_proc, finished))
                        for job in jobs]
-            progress = Progress(label, len(requests))
+            progress = Progress(label, len(requests), start=time.perf_counter() + start_wall - time.time())
+            while progress.done < len(requests):
+                try:
+                    progress.update(finished.get(timeout=1.0))
+                except queue.Empty:
+                    if all(handle.ready() for handle in pending):
+                        break  # a client process ended early: its error comes with its results
             results: list[RequestResult | None] = [None] * len(requests)
             for handle in pending:
                 for i, raw in handle.get():
                     results[i] = RequestResult(**raw)
-                    progress.update(results[i].output_tokens)  # type: ignore[union-attr]
         done = [r for r in results if r is not None]
         return done, max((r.end_wall for r in done if r.end_wall is not None), default=start_wall) - start_wall
 
@@ -260,12 +267,12 @@ def _ready(barrier: Any) -> bool:
 
 
 def _client_process(url: str, key: str, jobs: list[tuple[int, float, dict[str, Any], int]], start_wall: float,
-                    max_concurrency: int | None) -> list[tuple[int, dict[str, Any]]]:
-    return asyncio.run(_clients(url, key, jobs, start_wall, max_concurrency))
+                    max_concurrency: int | None, finished: Any) -> list[tuple[int, dict[str, Any]]]:
+    return asyncio.run(_clients(url, key, jobs, start_wall, max_concurrency, finished))
 
 
 async def _clients(url: str, key: str, jobs: list[tuple[int, float, dict[str, Any], int]], start_wall: float,
-                   max_concurrency: int | None) -> list[tuple[int, dict[str, Any]]]:
+                   max_concurrency: int | None, finished: Any) -> list[tuple[int, dict[str, Any]]]:
     import aiohttp
 
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -276,8 +283,16 @@ async def _clients(url: str, key: str, jobs: list[tuple[int, float, dict[str, An
 
         async def one(i: int, offset: float, body: dict[str, Any], expected: int) -> tuple[int, dict[str, Any]]:
             await asyncio.sleep(max(0.0, start_wall + offset - time.time()))
+            result: dict[str, Any] = {}
+            try:
+                return await send(i, body, expected, result)
+            finally:
+                finished.put(result.get("output_tokens", 0))
+
+        async def send(i: int, body: dict[str, Any], expected: int,
+                       result: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             async with limit:  # type: ignore[attr-defined]
-                result = {"ok": False, "expected_tokens": expected, "itls": []}
+                result.update({"ok": False, "expected_tokens": expected, "itls": []})
                 path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
                 sent = time.perf_counter()
                 last = None

@@ -42,7 +42,11 @@ def sharegpt_requests(path: Path, num: int, tokenizer, output_range: tuple[int, 
                       seed: int) -> list[ServeRequest]:  # type: ignore[no-untyped-def]
     """ShareGPT first turns (shuffled: the file is sorted longest first), tokenized by `tokenizer`, with output
     lengths drawn uniformly from output_range (the file holds no replies)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise SystemExit(f"--dataset sharegpt: {path} does not exist; pass --dataset-path or set TOLLGATE_DATA_DIR "
+                         "to the folder holding prompts_sharegpt_en_first_turn.jsonl")
+    # rows end at newlines only: str.splitlines() would also split at the U+2028 some prompts hold
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     rng = random.Random(seed)
     rng.shuffle(rows)
     requests = []

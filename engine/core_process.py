@@ -386,8 +386,8 @@ class _HandOffTimes:
     """How long the core spends handing steps' outputs to its fronts: a front that reads slowly fills its socket and
     blocks the core's send, and with it every request's next step."""
 
-    def __init__(self, fronts: int) -> None:
-        self.fronts = fronts
+    def __init__(self, attached: int) -> None:
+        self.attached = attached  # fronts beside the spawner's connection: API processes (serve --api-servers)
         self.count = 0
         self.total_s = 0.0
         self.longest_s = 0.0
@@ -401,8 +401,10 @@ class _HandOffTimes:
 
     def __str__(self) -> str:
         mean_us = self.total_s / self.count * 1e6 if self.count else 0.0
-        return (f"{self.count} steps' outputs handed to {self.fronts} connection(s) in {self.total_s:.2f} s (mean "
-                f"{mean_us:.0f} us, longest {self.longest_s * 1e3:.1f} ms, {self.over_1ms} over 1 ms)")
+        to = "its spawner" + (f" and {self.attached} API process{'es' if self.attached > 1 else ''}"
+                              if self.attached else "")
+        return (f"{self.count} steps' outputs handed to {to} in {self.total_s:.2f} s (mean {mean_us:.0f} us, longest "
+                f"{self.longest_s * 1e3:.1f} ms, {self.over_1ms} over 1 ms)")
 
 
 def serve(conns: list[Connection]) -> None:
@@ -421,7 +423,7 @@ def serve(conns: list[Connection]) -> None:
         return
     fronts.broadcast(("ready", (engine.model_config.vocab_size, engine.max_model_len)))
     loop = CoreLoop(engine)
-    handed = _HandOffTimes(len(conns))
+    handed = _HandOffTimes(len(conns) - 1)
     loads = _AdapterLoads(engine, fronts)
     try:
         while True:

@@ -91,7 +91,8 @@ def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend]
                 follower.cancel()
             left = await in_flight.drain(settings.drain_s)
             if left:
-                log.warning("stopping with %d requests still in flight after %.0f s", left, settings.drain_s)
+                log.warning("stopping with %d %s still in flight after %.0f s", left,
+                            "request" if left == 1 else "requests", settings.drain_s)
             for recorder in recorders:
                 recorder.close()
             if own_backends:

@@ -48,8 +48,9 @@ def context_length_exceeded(message: str, param: str = "messages") -> APIError:
     return APIError(400, message, "invalid_request_error", "context_length_exceeded", param)
 
 
-def rate_limited(message: str, retry_after: int) -> APIError:
-    return APIError(429, message, "requests", "rate_limit_exceeded", None, {"Retry-After": str(retry_after)})
+def rate_limited(message: str, retry_after: int, limit: str = "requests") -> APIError:
+    """A 429 for a requests or tokens limit (OpenAI's error type names which)."""
+    return APIError(429, message, limit, "rate_limit_exceeded", None, {"Retry-After": str(retry_after)})
 
 
 def insufficient_quota(message: str) -> APIError:

@@ -238,7 +238,7 @@ class Limiter:
         pending_tokens = ledger.pending_tokens(p.key_id) if ledger else 0
         if p.tpm is not None and pending_tokens >= p.tpm:
             raise rate_limited(f"Rate limit reached for tokens per minute: limit {p.tpm}, used {pending_tokens}.",
-                               seconds_to_next_minute(now))
+                               seconds_to_next_minute(now), "tokens")
         for scope, scope_id, budget in (("key", p.key_id, p.key_budget_usd), ("tenant", p.tenant_id,
                                                                               p.tenant_budget_usd)):
             spent = ledger.pending_spend(scope, scope_id) if ledger else ZERO
@@ -292,8 +292,16 @@ def refusal_error(p: Principal, r: Refusal, worst: Worst | None = None) -> APIEr
                            f"Try again in {r.retry_after_s}s.", r.retry_after_s)
         err.headers.update(RateLimitHeaders(p.rpm, p.tpm, int(r.used), 0, r.retry_after_s).headers())
         return err
-    err = rate_limited(f"Rate limit reached for tokens per minute: limit {int(r.limit)}, used {int(r.used)} "
-                       f"(requests in flight count with their prompt and max_tokens × n), this request needs up to "
-                       f"{int(r.asked)} ({held_tokens(worst)}). Try again in {r.retry_after_s}s, or lower max_tokens.", r.retry_after_s)
+    if r.asked > r.limit:  # not in any minute: waiting cannot help, and the official clients are told not to retry
+        err = rate_limited(f"Request too large for tokens per minute: limit {int(r.limit)}, this request needs up to "
+                           f"{int(r.asked)} ({held_tokens(worst)}). Lower max_tokens or shorten the prompt.",
+                           r.retry_after_s, "tokens")
+        err.headers.pop("Retry-After")
+        err.headers["x-should-retry"] = "false"
+    else:
+        err = rate_limited(f"Rate limit reached for tokens per minute: limit {int(r.limit)}, used {int(r.used)} "
+                           f"(requests in flight count with their prompt and max_tokens × n), this request needs up "
+                           f"to {int(r.asked)} ({held_tokens(worst)}). Try again in {r.retry_after_s}s, or lower "
+                           "max_tokens.", r.retry_after_s, "tokens")
     err.headers.update(RateLimitHeaders(p.rpm, p.tpm, 0, int(r.used), r.retry_after_s).headers())
     return err

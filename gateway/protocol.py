@@ -18,7 +18,8 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # NaN and infinities (which Python's JSON reader takes) are refused as what they are, not as out of range
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Body):
@@ -266,6 +267,18 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        """One of the four shapes, named in the error (not the union's branches)."""
+        def token_ids(items: Any) -> bool:
+            return isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+        if isinstance(v, str) or token_ids(v) or (isinstance(v, list) and (all(isinstance(t, str) for t in v)
+                                                                          or all(token_ids(t) for t in v))):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
 
     @field_validator("echo")
     @classmethod

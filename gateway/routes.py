@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -104,6 +106,17 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
     return {"object": "list", "data": data}
 
 
+@contextlib.contextmanager
+def counted_refusals(gw: Gateway) -> Iterator[None]:
+    """A request refused before it reaches _run (its body, its tools) counts in tollgate_rejected_requests as the
+    refusals after it do."""
+    try:
+        yield
+    except APIError as e:
+        gw.rejected(e)
+        raise
+
+
 async def parsed_body(request: Request, model: type[Body]) -> Body:
     """The body as `model`, checked as FastAPI checks a body parameter (JSON decoded, then validated strictly)."""
     raw = await request.body()
@@ -121,14 +134,15 @@ async def parsed_body(request: Request, model: type[Body]) -> Body:
 
 async def chat_completions(request: Request) -> Response:
     p = await principal(request)
-    body = await parsed_body(request, ChatCompletionRequest)
     gw: Gateway = request.app.state.gateway
-    messages = [m.template_message() for m in body.messages]
-    model, route = body.model, None
-    if model == AUTO_MODEL:
-        decision = gw.route(messages, body.max_completion_tokens or body.max_tokens)
-        model, route = decision.model, decision
-    tools = await tool_plan(body, gw.tool_parser(model))
+    with counted_refusals(gw):
+        body = await parsed_body(request, ChatCompletionRequest)
+        messages = [m.template_message() for m in body.messages]
+        model, route = body.model, None
+        if model == AUTO_MODEL:
+            decision = gw.route(messages, body.max_completion_tokens or body.max_tokens)
+            model, route = decision.model, decision
+        tools = await tool_plan(body, gw.tool_parser(model))
     fmt = ChatFormat(body.logprobs, tools.new_parser if tools is not None else None)
     cache_view = {**body.model_dump(exclude_none=True), "model": model, "messages": messages}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(
@@ -157,16 +171,17 @@ def completion_prompt_bound(prompt: str | list[int]) -> int:
 
 async def completions(request: Request) -> Response:
     p = await principal(request)
-    body = await parsed_body(request, CompletionRequest)
     gw: Gateway = request.app.state.gateway
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise invalid_request("prompt: batches of several prompts are not supported; send one per request",
-                                  "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not prompt or prompt == "":
-        raise invalid_request("prompt: must not be empty", "prompt")
+    with counted_refusals(gw):
+        body = await parsed_body(request, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise invalid_request("prompt: batches of several prompts are not supported; send one per request",
+                                      "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt or prompt == "":
+            raise invalid_request("prompt: must not be empty", "prompt")
     fmt = CompletionFormat(body.logprobs is not None)
     length = {"token_ids": len(prompt)} if isinstance(prompt, list) else {"chars": len(prompt)}
     return await _run(gw, p, body, fmt, lambda rid, params: GenerationRequest(rid, params, prompt=prompt),

@@ -50,7 +50,7 @@ class DrainingServer(uvicorn.Server):
             log.info("stopping: new requests get 503; in-flight ones may finish for up to %g s", self.drain_s)
             left = await self.in_flight.drain(self.drain_s)
             if left:
-                log.warning("ended %d requests still running after the %g s drain window (recorded cancelled)",
-                            left, self.drain_s)
+                log.warning("ended %d %s still running after the %g s drain window (recorded cancelled)",
+                            left, "request" if left == 1 else "requests", self.drain_s)
         finally:
             self.should_exit = True

@@ -17,7 +17,7 @@ from billing.accounts import create_key, create_tenant, revoke_key
 from billing.models import UsageEvent
 from gateway.direct_routes import DirectRoutes
 from gateway.errors import APIError, install
-from tests.gateway.conftest import MODEL
+from tests.gateway.conftest import MODEL, SERVER_ADMIN_KEY
 
 CHAT = "/v1/chat/completions"
 
@@ -54,6 +54,12 @@ def test_bad_requests(http, server, shared_db):
         r = http.post(CHAT, content=empty_or_not_an_object, headers={"Content-Type": "application/json"})
         _assert_error(r, 400, "invalid_body")
     assert http.get(CHAT).status_code == 405  # the route is the app's too: other methods answered as before
+    err = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": 5}), 400, param="prompt")
+    assert "must be a string, a list of strings" in err["message"]  # the field, not a branch of its union
+    nan = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    err = _assert_error(http.post(CHAT, content=nan, headers={"Content-Type": "application/json"}), 400,
+                        param="temperature")
+    assert "finite number" in err["message"]
     _assert_error(http.post(CHAT, json={"model": MODEL}), 400, param="messages")
     _assert_error(http.post(CHAT, json={**ok, "max_tokens": "five"}), 400, param="max_tokens")
     _assert_error(http.post(CHAT, json={**ok, "max_tokens": 0}), 400, param="max_tokens")
@@ -81,6 +87,11 @@ def test_bad_requests(http, server, shared_db):
     _assert_error(http.post(CHAT, content=chunked(), headers={"Content-Type": "application/json"}), 413,
                   "request_too_large")
     assert _events(server, shared_db) == before
+    # each refusal counts in /metrics, those of the body included
+    scrape = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {SERVER_ADMIN_KEY}"}).text
+    counted = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines()
+               if line.startswith("tollgate_rejected_requests_total{")}
+    assert counted.get('code="invalid_body",status="400"', 0) >= 4 and counted.get('code="invalid_json",status="400"')
 
 
 def test_keys_and_quota(server, shared_db):

@@ -84,14 +84,18 @@ def test_tpm_reserves_at_admission_and_settles_to_the_tokens_used(db):
     with pytest.raises(APIError) as info:  # 60 held by the first request: another 60 would pass the limit
         _admit(limiter, p, tokens=60)
     assert info.value.code == "rate_limit_exceeded" and "tokens per minute" in info.value.message
+    assert info.value.type == "tokens" and info.value.headers["Retry-After"]  # it fits once the first one settles
+    assert "x-should-retry" not in info.value.headers
     assert info.value.headers["x-ratelimit-remaining-tokens"] == "40"
     ledger.record(_event(first, p, prompt=20, completion=10))  # it used 30
     ledger.flush()
     _admit(Limiter(db), p, tokens=60)  # 30 + 60: room, seen by another process too
     with pytest.raises(APIError):
         _admit(limiter, p, tokens=20)  # 30 + 60 + 20
-    with pytest.raises(APIError):  # more than the limit on its own
+    with pytest.raises(APIError) as info:  # more than the limit on its own: waiting cannot help
         _admit(limiter, p, tokens=101, now=time.time() + 60)
+    assert info.value.type == "tokens" and "Request too large for tokens per minute" in info.value.message
+    assert info.value.headers["x-should-retry"] == "false" and "Retry-After" not in info.value.headers
     ledger.close()
 
 
