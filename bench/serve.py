@@ -235,7 +235,8 @@ def print_table(report: dict[str, Any]) -> None:
     slo = report.get("slo") or {}
     goodput = bool(slo.get("ttft_ms") or slo.get("tpot_ms"))
     print(f"{'target':<8}{'rate':>8}{'done':>6}{'req/s':>8}{'tok/s':>10}{'x offl':>8}{'TTFT p50/p99 ms':>18}"
-          f"{'TPOT p50/p99 ms':>18}{'ITL p50 ms':>11}{'E2E p50 ms':>11}" + (f"{'goodput req/s':>15}" if goodput else ""))
+          f"{'TPOT p50/p99 ms':>18}{'ITL p50 ms':>11}{'E2E p50 ms':>11}"
+          + (f"{'goodput req/s':>15}" if goodput else ""))
     for r in report["runs"]:
         def pair(key: str) -> str:
             d = r[key]

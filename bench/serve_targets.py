@@ -231,8 +231,9 @@ class GatewayTarget:
             self.proc.wait()
         self.log.close()
         # the engine core's own account of how long it spent handing each step's outputs to the API processes
-        self.core_hand_off = [line.split("engine core stopping: ", 1)[1]
-                              for line in Path(self.log.name).read_text().splitlines() if "engine core stopping: " in line]
+        marker = "engine core stopping: "
+        self.core_hand_off = [line.split(marker, 1)[1] for line in Path(self.log.name).read_text().splitlines()
+                              if marker in line]
         for line in self.core_hand_off:
             print(f"gateway's engine core: {line}", flush=True)
         with sqlite3.connect(self.home / "tollgate.db") as db:
