@@ -12,7 +12,8 @@ from typing import Any
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from billing.models import ModelDeployment
+from billing.db import dialect_insert
+from billing.models import ModelDeployment, utcnow
 from billing.money import dollars
 
 
@@ -28,20 +29,19 @@ class Deployment:
 
 
 def record_deployments(db: Engine, specs: list[dict[str, Any]]) -> None:
-    """Insert or update one row per spec (a spec's `pricing` block sets the row's prices), in one transaction."""
-    with Session(db) as s, s.begin():
+    """Insert or update one row per spec (a spec's `pricing` block sets the row's prices), in one transaction. An
+    upsert: gateways that start together (API processes, Serve replicas) record the same new specs at once."""
+    table = ModelDeployment.__table__
+    with db.begin() as conn:
         for spec in specs:
-            row = s.scalar(select(ModelDeployment).where(ModelDeployment.name == spec["name"]))
-            if row is None:
-                row = ModelDeployment(name=spec["name"])
-                s.add(row)
             pricing = spec.get("pricing") or {}
-            row.spec = spec
-            row.input_per_1m = dollars(pricing.get("input_per_1m", 0))
-            row.output_per_1m = dollars(pricing.get("output_per_1m", 0))
-            row.gpu_hour = dollars(pricing.get("gpu_hour", 0))
             cached = pricing.get("cached_input_per_1m")
-            row.cached_input_per_1m = None if cached is None else dollars(cached)
+            values = {"spec": spec, "input_per_1m": dollars(pricing.get("input_per_1m", 0)),
+                      "output_per_1m": dollars(pricing.get("output_per_1m", 0)),
+                      "gpu_hour": dollars(pricing.get("gpu_hour", 0)),
+                      "cached_input_per_1m": None if cached is None else dollars(cached), "updated_at": utcnow()}
+            insert = dialect_insert(db, table).values(name=spec["name"], **values)
+            conn.execute(insert.on_conflict_do_update(index_elements=[table.c.name], set_=values))
 
 
 def deployment(db: Engine, name: str) -> Deployment | None:

@@ -68,12 +68,21 @@ def sign_in(driver, url: str, key: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def wait_for(driver, condition) -> None:  # type: ignore[no-untyped-def]
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
+
+    def settled(d) -> bool:  # type: ignore[no-untyped-def]
+        try:
+            return condition(d)
+        except WebDriverException as e:
+            # Chromium 156 reports an element read while its page is being replaced as this, not as stale
+            if "does not belong to the document" in str(e):
+                return False
+            raise
 
     # elements looked up mid-navigation can vanish or go stale: those count as "not yet"
     WebDriverWait(driver, 10, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
-        condition)
+        settled)
 
 
 def _stale(element) -> bool:  # type: ignore[no-untyped-def]
