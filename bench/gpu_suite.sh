@@ -93,6 +93,7 @@ step spec_decode_8b 90 "$PY" -m bench.spec_decode --mode oracle --model random:l
 # multi-LoRA (issue 37): 16 rank-16 adapters on all seven projections vs the base model
 step lora_8b 150 "$PY" -m bench.lora --model random:llama-8b --device cuda --rank 16 --batch 64 --num-adapters 16 \
   --repeats 2 --json "$RESULTS/lora_8b.json"
+step lora_forms_8b 120 "$PY" -m bench.lora_decode_forms --device cuda --json "$RESULTS/lora_forms_8b.json"
 # structured outputs need llguidance's wheel and a tokenizer (python -m bench.structured --export-tokenizer), carried
 if [[ -d .bench-tokenizer ]] && "$PY" -c "import llguidance" 2>/dev/null; then
   step structured_1b 90 "$PY" -m bench.structured --model random:llama-1b --tokenizer .bench-tokenizer --device cuda \

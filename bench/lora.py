@@ -11,8 +11,9 @@ Adapters are a random PEFT directory (rank --rank on all seven projections, writ
 - adapter load time from host memory into a device slot (the copy the first request of an evicted adapter waits
   for), and from disk (read and checked off the engine's thread in serving).
 --decode-kernels picks the LoRA kernels of decode steps (EngineConfig.lora_decode_kernels): "auto" (the engine's
-default: grouped by adapter slot from two tokens per distinct adapter, so the batched run's 64 tokens over 16
-adapters group and batch 1 stays per token), "bgmv" (per token always) or "grouped" (always).
+default: grouped by adapter slot from two tokens per distinct adapter, with dense expands when the adapters fill
+3/4 of the pool's slots, so the batched run's 64 tokens over 16 adapters in 16 slots take the dense form and batch 1
+stays per token), "bgmv" (per token always), "grouped" or "dense" (always).
 Targets (issue 37): batch-1 >= 0.85x, batch >= 0.80x, host load < 50 ms."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--decode-kernels", choices=("auto", "bgmv", "grouped"), default="auto",
+    p.add_argument("--decode-kernels", choices=("auto", "bgmv", "grouped", "dense"), default="auto",
                    help="the LoRA kernels of decode steps (EngineConfig.lora_decode_kernels)")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)

@@ -16,7 +16,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 _QUANTIZATIONS = (None, "int8", "int4", "fp8")
 _ENGINE_CORES = ("auto", "thread", "process")
-_LORA_DECODE_KERNELS = ("auto", "bgmv", "grouped")
+_LORA_DECODE_KERNELS = ("auto", "bgmv", "grouped", "dense")
 # prompts (and chats) longer than this are tokenized in a worker thread, so that a huge one never stalls
 # the event loop (the short ones, nearly all, skip the thread hop)
 TOKENIZE_IN_THREAD_CHARS = 20_000
@@ -75,8 +75,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | None = None
     # The LoRA kernels of a decode step on CUDA (kernels/punica_*.py): "bgmv" per token (each token reads its
-    # adapter's weights), "grouped" by slot (each adapter's weights read once a step), "auto" grouped when the
-    # step's adapter tokens number at least two per distinct adapter (engine/lora/batch.py), so batch 1 is per token.
+    # adapter's weights), "grouped" by slot (each adapter's weights read once a step), "dense" grouped shrinks and
+    # cuBLAS expands over every slot (kernels/punica_dense.py), "auto" grouped when the step's adapter tokens number
+    # at least two per distinct adapter, dense when its adapters also fill 3/4 of the pool's slots
+    # (engine/lora/batch.py), so batch 1 is per token.
     lora_decode_kernels: str = "auto"
     # Serving a sleeping engine (engine/sleep.py): a request that arrives wakes it (wake_on_request), or else waits
     # for an explicit wake; either way one that waits longer than sleep_wait_timeout_s is refused (EngineAsleepError).

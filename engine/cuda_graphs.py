@@ -13,7 +13,7 @@ Each graph begins with a kernel that unpacks the step's inputs from one buffer t
 Decode steps in which some sequence uses a LoRA adapter replay a second set, captured with the adapters' kernels in
 it (`lora`: they read each token's slot from a static buffer, engine/lora/graph_slots.py), sharing the first set's
 memory pool; base-only steps keep the graphs without those kernels. That set keys its graphs by the LoRA kernels'
-form too (per token or grouped by slot, engine/lora/batch.py): a step of one shape replays the graph of its form,
+form too (per token, grouped by slot, or dense: engine/lora/batch.py decode_form): a step of one shape replays the graph of its form,
 each captured the first time a step of that shape and form runs.
 
 The same class captures speculative verify steps: every sequence brings the same q = k + 1 tokens
@@ -93,7 +93,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(0, (max_bs + 1) * self.q, self.q, dtype=torch.int32, device=device)
         table_words = step_tables_offset(max_bs, self.q) + max_bs * max_blocks_per_seq  # int32
         self.staging = torch.zeros(-(-table_words // 2), dtype=torch.int64, device=device)  # n = 0: all padding
-        # (batch size, table width), and with LoRA whether its kernels are the grouped ones
+        # (batch size, table width), and with LoRA the decode form of its kernels
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = pool
@@ -120,46 +120,46 @@ class DecodeGraphs:
             max_seq_len=width * self.block_size,
         )
 
-    def _forward(self, bs: int, width: int, grouped: bool = False) -> torch.Tensor:
+    def _forward(self, bs: int, width: int, lora_form: str = "bgmv") -> torch.Tensor:
         from kernels.step_inputs import unpack_step_inputs
 
         unpack_step_inputs(self.staging, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.block_tables, bs, self.q)
-        with self.lora.applied(bs * self.q, grouped) if self.lora is not None else contextlib.nullcontext():
+        with self.lora.applied(bs * self.q, lora_form) if self.lora is not None else contextlib.nullcontext():
             return self.model(self.input_ids[: bs * self.q], self.positions[: bs * self.q], self._meta(bs, width),
                               self.kv_caches)
 
     def key(self, host: HostInputs) -> tuple:
-        """(batch size, table width) of the graph that runs a step that fits; with LoRA, then whether it is the one
-        with the grouped kernels."""
+        """(batch size, table width) of the graph that runs a step that fits; with LoRA, then the decode form of its
+        LoRA kernels."""
         bs = next(s for s in self.sizes if s >= host.num_seqs)
         width = next(w for w in self.widths(bs)
                      if w * self.block_size >= host.max_seq_len and w >= host.block_tables.shape[1])
         if self.lora is not None:
-            return bs, width, self.lora.grouped(host.lora_slots)
+            return bs, width, self.lora.form(host.lora_slots)
         return bs, width
 
     @torch.inference_mode()
-    def capture(self, bs: int, width: int, grouped: bool = False) -> None:
+    def capture(self, bs: int, width: int, lora_form: str = "bgmv") -> None:
         """Captures the graph of one shape (and LoRA kernel form). Its warm-up pass runs eagerly over an all-padding
         step (the staging buffer zeroed: no sequences; no adapter on any row), so it writes no KV slot whatever the
         buffers held before, and the grouped LoRA kernels see only this graph's rows (an earlier, larger step's
         grouping would point past them)."""
         started = time.perf_counter()
-        key = (bs, width, grouped) if self.lora is not None else (bs, width)
+        key = (bs, width, lora_form) if self.lora is not None else (bs, width)
         self.staging.zero_()
         if self.lora is not None:
             self.lora.stage(None, bs * self.q)  # the warm-up's rows: no adapter
-        self._forward(bs, width, grouped)  # warm-up: Triton compiles and autotunes outside the capture
+        self._forward(bs, width, lora_form)  # warm-up: Triton compiles and autotunes outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (a tokenizer, an adapter load) may use CUDA meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.outputs[key] = self._forward(bs, width, grouped)
+            self.outputs[key] = self._forward(bs, width, lora_form)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
-        kind = "" if self.lora is None else " with grouped LoRA kernels" if grouped else " with per-token LoRA kernels"
+        kind = "" if self.lora is None else f" with the {lora_form} LoRA kernels"
         log.debug("captured the CUDA graph of %d sequence(s) x %d token(s), %d blocks wide%s, in %.0f ms", bs, self.q,
                   width, kind, 1000 * (time.perf_counter() - started))
 

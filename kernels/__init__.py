@@ -66,6 +66,7 @@ def _triton_modules() -> types.SimpleNamespace | None:
                 ("int4_matmul", "int4_matmul"),
                 ("int8_matmul", "int8_matmul"),
                 ("prefill", "prefill_attention"),
+                ("punica_dense", "punica_dense"),
                 ("punica_expand", "punica_expand"),
                 ("punica_shrink", "punica_shrink"),
                 ("rotary", "rotary"),
@@ -287,12 +288,13 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: 
     projection (kernels/punica_shrink.py, kernels/punica_expand.py: the stacks' layouts); tokens of slot -1 are left
     alone. With norm, the term of rms_norm(x, *norm). On CUDA a decode step (one token per sequence) runs the BGMV
     kernels, or the grouped ones when its indices say so (indices.grouped: tokens sharing adapters, each adapter's
-    weights read once), which fuse the norm and launch nothing else (what a CUDA graph of the step captures), other
-    steps the SGMV ones."""
+    weights read once; with indices.dense, the dense expand where lora_dense_expand says), which fuse the norm and
+    launch nothing else (what a CUDA graph of the step captures), other steps the SGMV ones."""
     check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
     if lora_decode_halves(x, indices):
-        lora_expand_(y, lora_shrink(x, a_stack, indices, norm), b_stack, slice_offsets, slice_offsets_host, rank,
-                     indices)
+        dense_rank = rank if lora_dense_expand(indices, slice_offsets_host) else None
+        lora_expand_(y, lora_shrink(x, a_stack, indices, norm, dense_rank=dense_rank), b_stack, slice_offsets,
+                     slice_offsets_host, rank, indices)
         return
     if ops := _triton_for(x):
         x = x if norm is None else ops.norm.rms_norm(x, *norm)
@@ -310,29 +312,47 @@ def lora_decode_halves(x: torch.Tensor, indices: LoRAIndices) -> bool:
     return indices.one_token_per_seq and _triton_for(x) is not None
 
 
+# the dense expand takes one GEMM per slice: q|k|v's three narrow slices cost more launches than the GEMMs save
+# (docs/benchmarks/lora.md, 2026-12-05)
+DENSE_EXPAND_MAX_SLICES = 2
+
+
+def lora_dense_expand(indices: LoRAIndices, slice_offsets_host: list[int]) -> bool:
+    """Whether a decode step's expand of a projection with these slices takes the dense form
+    (kernels/punica_dense.py): the step's indices ask for it and the projection has few enough slices."""
+    return indices.dense and len(slice_offsets_host) - 1 <= DENSE_EXPAND_MAX_SLICES
+
+
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: LoRAIndices, norm: Norm | None = None,
-                stream: torch.cuda.Stream | None = None):
+                stream: torch.cuda.Stream | None = None, *, dense_rank: int | None = None):
     """A decode step's shrink (lora_decode_halves): per token or grouped by slot as the indices say, on `stream` once
-    the current stream's work so far is done; the current stream must wait for `stream` before lora_expand_."""
+    the current stream's work so far is done; the current stream must wait for `stream` before lora_expand_. With
+    dense_rank (the stacks' rank), its rows are then laid out for the dense expand, on the same stream."""
     ops = _triton_for(x)
-    if indices.grouped:
-        return ops.punica_shrink.grouped_shrink(x, a_stack, indices, norm=norm, stream=stream)
-    return ops.punica_shrink.bgmv_shrink(x, a_stack, indices, norm=norm, stream=stream)
+    shrink = ops.punica_shrink.grouped_shrink if indices.grouped else ops.punica_shrink.bgmv_shrink
+    shrunk = shrink(x, a_stack, indices, norm=norm, stream=stream)
+    if dense_rank is None:
+        return shrunk
+    return ops.punica_dense.dense_rows(shrunk, indices, a_stack.shape[0], dense_rank, a_stack.dtype, stream=stream)
 
 
 def lora_expand_(y: torch.Tensor, shrunk, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
                  slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> None:
     """y [T, N] += each token's expand of lora_shrink's result, in place (lora_add_'s second half)."""
     ops = _triton_for(y)
+    if isinstance(shrunk, ops.punica_dense.DenseRows):
+        ops.punica_dense.dense_expand_(y, shrunk, b_stack, slice_offsets_host)
+        return
     expand = ops.punica_expand.grouped_expand_ if indices.grouped else ops.punica_expand.bgmv_expand_
     expand(y, shrunk, b_stack, indices, slice_offsets, slice_offsets_host, rank)
 
 
 def lora_expand_silu_and_mul(y: torch.Tensor, shrunk, b_stack: torch.Tensor, slice_offsets: torch.Tensor,
                              slice_offsets_host: list[int], rank: int, indices: LoRAIndices) -> torch.Tensor:
-    """silu_and_mul of a fused gate|up projection's output y [T, 2N] after lora_expand_, in one kernel."""
+    """silu_and_mul of a fused gate|up projection's output y [T, 2N] after lora_expand_, in one kernel (two GEMMs and
+    one kernel in the dense form)."""
     ops = _triton_for(y)
-    if slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]]:
+    if slice_offsets_host == [0, y.shape[1] // 2, y.shape[1]] and not isinstance(shrunk, ops.punica_dense.DenseRows):
         if indices.grouped:
             return ops.punica_expand.grouped_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
         return ops.punica_expand.bgmv_expand_silu_and_mul(y, shrunk, b_stack, indices, rank)
@@ -347,8 +367,9 @@ def lora_add_silu_and_mul(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tenso
     on CUDA a decode step adds the expand and the product in one kernel. y may be overwritten."""
     if lora_decode_halves(x, indices):
         check_lora_stacks(x, a_stack, b_stack, slice_offsets_host, rank)
-        return lora_expand_silu_and_mul(y, lora_shrink(x, a_stack, indices, norm), b_stack, slice_offsets,
-                                        slice_offsets_host, rank, indices)
+        dense_rank = rank if lora_dense_expand(indices, slice_offsets_host) else None
+        return lora_expand_silu_and_mul(y, lora_shrink(x, a_stack, indices, norm, dense_rank=dense_rank), b_stack,
+                                        slice_offsets, slice_offsets_host, rank, indices)
     lora_add_(y, x, a_stack, b_stack, slice_offsets, slice_offsets_host, rank, indices, norm=norm)
     return silu_and_mul(y)
 

@@ -24,6 +24,7 @@ class LoRAIndices:
     sorted_rows: torch.Tensor | None = None  # [T] int32
     group_starts: torch.Tensor | None = None  # [S + 2] int32, static in shape: S is the slot pool's size
     grouped: bool = False  # a decode step takes the grouped form (needs sorted_rows and group_starts)
+    dense: bool = False  # and its expands the dense form where kernels.lora_dense_expand says (kernels/punica_dense.py)
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +68,12 @@ def group_rows(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.
 
 
 def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_seq: bool,
-                 num_slots: int | None = None, grouped: bool = False) -> LoRAIndices:
+                 num_slots: int | None = None, grouped: bool = False, dense: bool = False) -> LoRAIndices:
     """The per-token and segment forms from each token's slot (int, -1 for none): segments are the runs of equal
-    slots; with grouped, also the grouped form over a pool of num_slots slots (decode steps)."""
+    slots; with grouped, also the grouped form over a pool of num_slots slots (decode steps), whose expands take the
+    dense form with dense."""
+    if dense and not grouped:
+        raise ValueError("the dense LoRA expand runs in grouped decode steps only")
     slots = np.asarray(token_slots, dtype=np.int32)
     if slots.size:
         boundaries = np.flatnonzero(np.diff(slots)) + 1
@@ -88,6 +92,7 @@ def lora_indices(token_slots: np.ndarray, device: torch.device, one_token_per_se
     if grouped:
         indices.sorted_rows, indices.group_starts = packed[3:]
         indices.grouped = True
+        indices.dense = dense
     return indices
 
 

@@ -8,7 +8,8 @@ partial sums for its token (and applies a fused norm's 1 / RMS); grouped form (d
 adapters): one program per (slot, slice, block of columns), which loads its block of the slot's B once and loops
 over the slot's tokens (LoRAIndices.sorted_rows) in blocks, each a tl.dot over the rank; its grid is fixed by the
 pool's size, and slots no token uses exit at once. b_stack [S, N, R] holds every slot's B with the adapter's scaling
-folded in; base-model tokens (slot -1) are skipped."""
+folded in, read through its strides (the slot pool's is a transposed view of rank-major storage, which the dense
+form of kernels/punica_dense.py needs); base-model tokens (slot -1) are skipped."""
 
 from __future__ import annotations
 

@@ -25,15 +25,22 @@ def adapter_ids(seqs: SequenceOf[Sequence]) -> list[int]:
 # "auto" groups a decode step's tokens by slot when they average at least this many per distinct adapter: the
 # grouped kernels then read each adapter's weights once where the per-token ones read them once per token
 GROUPED_MIN_TOKENS_PER_ADAPTER = 2
+# and takes the dense expand (kernels/punica_dense.py, which reads every slot's B) when the step's adapters fill at
+# least this share of the pool's slots
+DENSE_MIN_SLOTS_USED = 0.75
 
 
-def grouped_decode(slots: np.ndarray | None, kernels: str) -> bool:
-    """Whether a decode step with these token slots (-1: base model) runs the grouped LoRA kernels rather than the
-    per-token (BGMV) ones, under EngineConfig.lora_decode_kernels: "bgmv" and "grouped" force one, "auto" decides
-    by tokens per distinct adapter (batch 1: per token)."""
+def decode_form(slots: np.ndarray | None, kernels: str, num_slots: int) -> str:
+    """The LoRA kernels of a decode step with these token slots (-1: base model) over a pool of num_slots, under
+    EngineConfig.lora_decode_kernels: "bgmv" (per token), "grouped" (tokens grouped by slot) or "dense" (grouped
+    shrinks, dense expands); "auto" decides by tokens per distinct adapter (batch 1: per token) and by the share of
+    the pool's slots in use."""
     if slots is None or kernels == "bgmv":
-        return False
-    if kernels == "grouped":
-        return True
+        return "bgmv"
+    if kernels != "auto":
+        return kernels
     used = slots[slots >= 0]
-    return used.size >= GROUPED_MIN_TOKENS_PER_ADAPTER * max(1, np.unique(used).size)
+    distinct = np.unique(used).size
+    if used.size < GROUPED_MIN_TOKENS_PER_ADAPTER * max(1, distinct):
+        return "bgmv"
+    return "dense" if distinct >= DENSE_MIN_SLOTS_USED * num_slots else "grouped"

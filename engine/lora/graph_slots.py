@@ -3,11 +3,12 @@ reading static device buffers, which are filled before each replay (-1, no adapt
 The adapters' weights need nothing of the kind: they stay in the slot pool's stacks, which loading an adapter copies
 into, so a graph always reads the weights of the adapters in the slots now.
 
-The buffers hold both decode forms of the LoRA kernels' indices: each token's slot (per-token BGMV kernels) and the
-rows sorted by slot with where each slot's rows start (grouped kernels, whose grid spans the whole pool and so has
-the same shape whichever slots a step uses). A step takes one form or the other (engine/lora/batch.py
-grouped_decode); a graph is captured with one form's kernels in it, so the decode graphs with LoRA keep one graph
-per (shape, form) and a step replays the one of its form. Both forms are staged at every step, in one copy."""
+The buffers hold both layouts of the LoRA kernels' indices: each token's slot (per-token BGMV kernels, and the dense
+expand's rows) and the rows sorted by slot with where each slot's rows start (grouped kernels, whose grid spans the
+whole pool and so has the same shape whichever slots a step uses). A step takes one decode form, "bgmv", "grouped" or
+"dense" (engine/lora/batch.py decode_form); a graph is captured with one form's kernels in it, so the decode graphs
+with LoRA keep one graph per (shape, form) and a step replays the one of its form. Both layouts are staged at every
+step, in one copy."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.lora.batch import grouped_decode
+from engine.lora.batch import decode_form
 from engine.lora.projection import LoRAStep
 from kernels.lora_indices import LoRAIndices, group_rows
 
@@ -36,22 +37,22 @@ class GraphLoRASlots:
         self.group_starts = self.words[2 * max_tokens:]
         self.seg_starts = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
 
-    def grouped(self, slots: np.ndarray | None) -> bool:
-        """Which form a step with these token slots replays: True, the grouped kernels' graph."""
-        return grouped_decode(slots, self.kernels)
+    def form(self, slots: np.ndarray | None) -> str:
+        """The decode form of the graph a step with these token slots replays."""
+        return decode_form(slots, self.kernels, self.num_slots)
 
-    def indices(self, num_tokens: int, grouped: bool = False) -> LoRAIndices:
-        """The first num_tokens rows, each token its own segment (the decode kernels read only token_slots, or with
-        grouped the sorted rows and group starts)."""
+    def indices(self, num_tokens: int, form: str = "bgmv") -> LoRAIndices:
+        """The first num_tokens rows, each token its own segment (the decode kernels read only token_slots, or in
+        the grouped and dense forms also the sorted rows and group starts)."""
         slots = self.token_slots[:num_tokens]
         return LoRAIndices(slots, self.seg_starts[: num_tokens + 1], slots, 1, one_token_per_seq=True,
                            sorted_rows=self.sorted_rows[:num_tokens], group_starts=self.group_starts,
-                           grouped=grouped)
+                           grouped=form != "bgmv", dense=form == "dense")
 
     @contextlib.contextmanager
-    def applied(self, num_tokens: int, grouped: bool = False) -> Iterator[None]:
+    def applied(self, num_tokens: int, form: str = "bgmv") -> Iterator[None]:
         """The model's LoRA projections read these buffers while a graph of num_tokens rows is captured."""
-        self.step.indices = self.indices(num_tokens, grouped)
+        self.step.indices = self.indices(num_tokens, form)
         try:
             yield
         finally:

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
-from engine.lora.batch import adapter_ids, grouped_decode, token_slots
+from engine.lora.batch import adapter_ids, decode_form, token_slots
 from engine.lora.graph_slots import GraphLoRASlots
 from engine.lora.projection import LoRAStep, attach_lora
 from engine.lora.registry import AdapterEntry, LoRARegistry
@@ -70,8 +70,9 @@ class LoRAManager:
         if slots is None:
             self.step.indices = None
             return
-        grouped = one_token_per_seq and grouped_decode(slots, self.decode_kernels)
-        self.step.indices = lora_indices(slots, self.device, one_token_per_seq, self.pool.max_loras, grouped)
+        form = decode_form(slots, self.decode_kernels, self.pool.max_loras) if one_token_per_seq else "bgmv"
+        self.step.indices = lora_indices(slots, self.device, one_token_per_seq, self.pool.max_loras,
+                                         grouped=form != "bgmv", dense=form == "dense")
 
     def graph_slots(self, max_tokens: int) -> GraphLoRASlots:
         """Static token-slot buffers for decode graphs of up to max_tokens rows captured with the adapters."""

@@ -76,9 +76,12 @@ class LoRAProjection(nn.Module):
 
     def _shrink_beside(self, x: torch.Tensor, indices: LoRAIndices, norm: ops.Norm | None):
         """The shrink, launched on the step's side stream: it runs beside the base projection, which reads the same
-        input, instead of before or after it (the current stream waits for it before the expand)."""
-        return ops.lora_shrink(x.view(-1, x.shape[-1]), self.stacks.a, indices, norm=norm,
-                               stream=self.step.side_stream(x.device))
+        input, instead of before or after it (the current stream waits for it before the expand). In the dense form
+        its rows for the dense expand are laid out there too."""
+        s = self.stacks
+        dense_rank = s.rank if ops.lora_dense_expand(indices, s.slice_offsets_host) else None
+        return ops.lora_shrink(x.view(-1, x.shape[-1]), s.a, indices, norm=norm,
+                               stream=self.step.side_stream(x.device), dense_rank=dense_rank)
 
     def _b_stacks(self) -> tuple:
         s = self.stacks

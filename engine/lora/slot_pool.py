@@ -1,5 +1,6 @@
 """The device's adapter slots: for each decoder layer and projection group, one stack of every slot's A and one of
-every slot's B (the layouts kernels/punica_shrink.py and punica_expand.py read), allocated once at start. An adapter
+every slot's B (the layouts kernels/punica_shrink.py, punica_expand.py and punica_dense.py read), allocated once at
+start. An adapter
 a step needs is copied into a free slot, or into the least recently used slot that no sequence of the step needs;
 its host copy stays, so an evicted adapter comes back with one host-to-device copy."""
 
@@ -19,7 +20,8 @@ from engine.model_config import ModelConfig
 
 @dataclass
 class GroupStacks:
-    """One projection group's adapters in one layer: a [S, slices * rank, in], b [S, out, rank]."""
+    """One projection group's adapters in one layer: a [S, slices * rank, in], b [S, out, rank], a transposed view of
+    rank-major storage [S, rank, out] (the dense expand reads each slice's B of every slot as one matrix)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -41,7 +43,7 @@ class LoRASlotPool:
                 groups[group] = GroupStacks(
                     torch.zeros(max_loras, len(shape.slice_widths) * max_rank, shape.in_features, device=device,
                                 dtype=dtype),
-                    torch.zeros(max_loras, offsets[-1], max_rank, device=device, dtype=dtype),
+                    torch.zeros(max_loras, max_rank, offsets[-1], device=device, dtype=dtype).transpose(1, 2),
                     torch.tensor(offsets, dtype=torch.int32, device=device),
                     offsets,
                     max_rank,

@@ -121,3 +121,23 @@ def test_lora_bench_small_cpu_run(tmp_path) -> None:
     assert result["adapter_load_host_ms"] > 0 and result["adapter_mib"] > 0
     assert result["decode_kernels"] == "auto"
     assert lora.parse_args(["--decode-kernels", "bgmv"]).decode_kernels == "bgmv"
+
+
+def test_lora_decode_forms_bench_runs_every_form_of_every_group_on_cpu(tmp_path) -> None:
+    """Its CPU smoke (random:llama-tiny, the LoRA kernels in Triton's interpreter): every group, form, layout and
+    slot count runs and is written; the Triton path forced onto CPU tensors is put back afterwards."""
+    import kernels
+    from bench import lora_decode_forms
+
+    triton_for = kernels._triton_for
+    path = tmp_path / "forms.json"
+    rows = lora_decode_forms.main(["--device", "cpu", "--layers", "1", "--replays", "1", "--batch", "4",
+                                   "--num-slots", "2", "--used-slots", "1,2", "--json", str(path)])
+    assert kernels._triton_for is triton_for
+    written = json.loads(path.read_text())["rows"]
+    assert [{k: v for k, v in r.items() if k != "us_per_layer"} for r in written] == [
+        {k: v for k, v in r.items() if k != "us_per_layer"} for r in rows]  # times: NaN on CPU (nothing to time)
+    runs = {(r["group"], r["form"], r["used_slots"], r["b_layout"]) for r in rows}
+    for group in ("qkv", "o", "gate_up", "down"):
+        assert {(group, "bgmv", 1, "rank-major"), (group, "bgmv", 1, "slot-major"), (group, "dense", 2, "rank-major"),
+                (group, "grouped", 1, "slot-major"), (group, "base", 0, None)} <= runs

@@ -168,7 +168,9 @@ def test_an_exact_repeat_is_served_without_embedding(embedder, verifier, clock, 
     from cache.semantic_cache import SemanticCache
 
     counting = CountingEmbedder(embedder)
-    cache = SemanticCache(tmp_path / "exact", embedder=counting, verifier=verifier, clock=clock, ttl_s=60)
+    # explore=0: the paraphrase below is a would-be hit, which exploration would turn into a `learning` lookup 5% of
+    # the time
+    cache = SemanticCache(tmp_path / "exact", embedder=counting, verifier=verifier, clock=clock, ttl_s=60, explore=0.0)
     entry_id = cache.store(NS_A, QUESTION, "answer", USAGE)
     assert counting.prompts == 1
     hit = cache.lookup(NS_A, QUESTION)

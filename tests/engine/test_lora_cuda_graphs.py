@@ -83,14 +83,14 @@ def test_adapter_re_added_under_its_name_is_seen_by_the_graphs(base_and_adapters
     assert after[0] == _tokens(graphed, prompts, ["all-r16", "mlp-r4"])[0]
 
 
-@pytest.mark.parametrize("decode_kernels", ["grouped", "auto"])
-def test_grouped_lora_kernels_in_graphs_give_the_eager_tokens(base_and_adapters, decode_kernels):
-    """Mixed batches whose decode steps replay graphs of the grouped kernels (forced, or under "auto" while the
-    batch has at least two tokens per adapter, then per-token graphs as sequences finish) give the tokens of eager
-    steps, grouped and per token."""
+@pytest.mark.parametrize("decode_kernels", ["grouped", "dense", "auto"])
+def test_grouped_and_dense_lora_kernels_in_graphs_give_the_eager_tokens(base_and_adapters, decode_kernels):
+    """Mixed batches whose decode steps replay graphs of the grouped or dense kernels (forced, or under "auto" while
+    the batch has at least two tokens per adapter: dense while its adapters fill both slots, then grouped and
+    per-token graphs as sequences finish) give the tokens of eager steps, grouped, dense and per token."""
     base_dir, adapters = base_and_adapters
     graphed = _llm(base_dir, adapters, eager=False, decode_kernels=decode_kernels)
-    eager = {form: _llm(base_dir, adapters, eager=True, decode_kernels=form) for form in ("grouped", "bgmv")}
+    eager = {form: _llm(base_dir, adapters, eager=True, decode_kernels=form) for form in ("grouped", "dense", "bgmv")}
     shared = _prompts(1, (29,))[0]
     calls = [  # (prompts, adapters, max_tokens): sequences finishing one after another shrink the batch
         ([shared, shared, shared, *_prompts(6, (5, 40, 17, 8, 21))],
@@ -105,10 +105,11 @@ def test_grouped_lora_kernels_in_graphs_give_the_eager_tokens(base_and_adapters,
         for form, llm in eager.items():
             assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_name=loras)], form
     keys = set(graphed.engine.runner.lora_graphs.graphs)
-    assert any(grouped for _, _, grouped in keys)
-    if decode_kernels == "auto":  # batch 1 and the batches of one token per adapter replay per-token graphs
-        assert any(bs == 1 and not grouped for bs, _, grouped in keys)
-        assert any(bs > 1 and not grouped for bs, _, grouped in keys)  # the batch of call 1 as it shrinks
+    if decode_kernels == "auto":  # two adapters in the two slots: dense; batch 1 and the batches of one token per
+        # adapter replay per-token graphs
+        assert {"dense", "bgmv"} <= {form for _, _, form in keys}
+        assert any(bs == 1 and form == "bgmv" for bs, _, form in keys)
+        assert any(bs > 1 and form == "bgmv" for bs, _, form in keys)  # the batch of call 1 as it shrinks
     else:
-        assert all(grouped for _, _, grouped in keys)
+        assert {form for _, _, form in keys} == {decode_kernels}
     assert graphed.engine.kv.num_used_blocks == 0

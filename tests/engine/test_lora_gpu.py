@@ -53,7 +53,7 @@ def _check_against_peft(base, adapters, requests, outputs, logits):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("decode_kernels", ["auto", "bgmv", "grouped"])
+@pytest.mark.parametrize("decode_kernels", ["auto", "bgmv", "grouped", "dense"])
 def test_mixed_adapter_batch_on_cuda_bf16_matches_peft(tmp_path, decode_kernels):
     base, adapters = _base_and_adapters(tmp_path)
     engine = _engine(tmp_path, adapters, max_num_batched_tokens=48, lora_decode_kernels=decode_kernels)
@@ -66,7 +66,7 @@ def test_mixed_adapter_batch_on_cuda_bf16_matches_peft(tmp_path, decode_kernels)
     _check_against_peft(base, adapters, requests, outputs, logits)
     assert engine.runner.lora_graphs.num_replays > 0  # the steps that decode all five replay the adapters' graphs
     if decode_kernels != "auto":
-        assert {grouped for _, _, grouped in engine.runner.lora_graphs.graphs} == {decode_kernels == "grouped"}
+        assert {form for _, _, form in engine.runner.lora_graphs.graphs} == {decode_kernels}
     assert not torch.allclose(logits["base"][0][1].float(), logits["all64"][0][1].float(), atol=0.1)
     assert engine.lora.pool.num_loads >= 3
     assert engine.kv.num_used_blocks == 0

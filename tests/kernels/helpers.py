@@ -1,9 +1,10 @@
-"""Shared helpers for the kernel tests: random paged caches, error measures, NaN-poisoned outputs."""
+"""Shared helpers for the kernel tests: random paged caches, error measures, NaN-poisoned outputs, CUDA graph
+replays."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 2e-2
+
+
+def replayed_in_a_graph(step: Callable[[], torch.Tensor], new_inputs: Callable[[], None]) -> torch.Tensor:
+    """step's output from a replay of the CUDA graph it was captured in (after one eager run), its inputs changed by
+    new_inputs() after the capture."""
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    new_inputs()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch
 import kernels
 from kernels import reference
 from kernels.lora_indices import lora_indices
-from tests.kernels.helpers import poisoned_outputs, rel_err, tolerance
+from tests.kernels.helpers import poisoned_outputs, rel_err, replayed_in_a_graph, tolerance
 
 pytest.importorskip("triton")
 from kernels.punica_expand import bgmv_expand_, bgmv_expand_silu_and_mul, sgmv_expand_  # noqa: E402
@@ -167,13 +167,7 @@ def test_decode_shrink_on_a_side_stream_then_expand_equals_lora_add(grouped: boo
         kernels.lora_expand_(y, shrunk, b, offsets_t, offsets, rank, indices)
         return y
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    x.copy_(torch.randn(slots.size, k, device=device))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = replayed_in_a_graph(step, lambda: x.copy_(torch.randn(slots.size, k, device=device)))
     y_add = kernels.linear(x, weight, norm=norm)
     kernels.lora_add_(y_add, x, a, b, offsets_t, offsets, rank, indices, norm=norm)
     assert rel_err(out, y_add) < 1e-2
