@@ -2,6 +2,7 @@
 
     python -m bench.lora_decode_forms --device cuda --json forms.json   # random:llama-8b on the H200, about a minute
     python -m bench.lora_decode_forms --device cpu --layers 1 --replays 1   # smoke: random:llama-tiny, interpreter
+                                                                            # (make install-test: it needs triton)
 
 For each projection group of a Llama decoder layer (qkv, o, gate|up with its SiLU product, down; rank 16, a pool of
 --num-slots slots) it times what engine/lora/projection.py launches: the shrink on a side stream beside the base
@@ -13,13 +14,16 @@ product, then the expand once the main stream has waited for it. Forms (engine/l
 and the base product alone for each batch. bgmv and grouped are timed with B in both layouts the Triton kernels can
 read (the slot pool's rank-major storage, which the dense form needs, and the contiguous [S, N, rank]). Each time is
 a CUDA graph of --layers launches, each on its own copy of the weights and stacks (L2 cold, as in a step):
-microseconds per layer, median of --replays replays."""
+microseconds per layer, median of --replays replays. On cpu every form runs once and nothing is timed."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +54,10 @@ class Timer:
     def __init__(self, device: torch.device, layers: int, replays: int) -> None:
         self.device, self.layers, self.replays = device, layers, replays
 
-    def per_layer_us(self, run) -> float:
+    def per_layer_us(self, run) -> float | None:
         if self.device.type != "cuda":
             run()
-            return float("nan")
+            return None
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -116,7 +120,8 @@ def time_group(name: str, shape, args, timer: Timer, device, dtype) -> list[dict
         us = timer.per_layer_us(step(indices, tokens, layout))
         rows.append({"group": name, "form": form, "tokens": tokens, "used_slots": used, "b_layout": layout,
                      "us_per_layer": us})
-        print(f"{name:8s} {form:8s} tokens {tokens:3d} slots used {used:3d} B {layout or '-':10s} {us:8.2f} us",
+        shown = "ran, untimed" if us is None else f"{us:8.2f} us"
+        print(f"{name:8s} {form:8s} tokens {tokens:3d} slots used {used:3d} B {layout or '-':10s} {shown}",
               flush=True)
 
     record("base", 1, 0, None, None)
@@ -135,6 +140,12 @@ def time_group(name: str, shape, args, timer: Timer, device, dtype) -> list[dict
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type != "cuda":  # the LoRA kernels in Triton's interpreter, chosen before triton is first imported
+        if importlib.util.find_spec("triton") is None:
+            raise SystemExit("--device cpu runs the Triton kernels in its interpreter: install triton (make install-test)")
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = random_model_config((args.model or ("random:llama-8b" if device.type == "cuda" else "random:llama-tiny"))
                               .removeprefix("random:"))
@@ -161,6 +172,8 @@ def summary(rows: list[dict]) -> None:
     """Per form and slots used, the sum over the four groups (a layer), and x32 layers (a step's share, ms)."""
     totals: dict[tuple, float] = {}
     for r in rows:
+        if r["us_per_layer"] is None:
+            return  # untimed (cpu)
         key = (r["form"], r["tokens"], r["used_slots"], r["b_layout"])
         totals[key] = totals.get(key, 0.0) + r["us_per_layer"]
     print("\nper decoder layer (all four groups):")

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from sqlalchemy import Engine, case, func, select, true
 
+from billing.asked_model import asked_model
 from billing.event_filter import EventFilter, tag_elements
 from billing.models import ApiKey, Tenant, UsageEvent
 
@@ -53,7 +54,7 @@ def breakdown(engine: Engine, by: str, events: EventFilter, limit: int | None = 
         grouped = select(key.label("grp"), ev.tenant_id.label("tid"), *sums).select_from(ev)
         group_by = (ev.tenant_id, key)
     else:
-        key = {"key": ev.api_key_id, "tenant": ev.tenant_id, "model": ev.model}[by]
+        key = {"key": ev.api_key_id, "tenant": ev.tenant_id, "model": asked_model()}[by]
         grouped = select(key.label("grp"), *sums).select_from(ev)
         group_by = (key,)
     inner = events.apply(grouped, dialect).group_by(*group_by).subquery()

@@ -1,4 +1,5 @@
-"""Which usage events a report covers: exact filters on tenant (by name), key (by id), model, status, end
+"""Which usage events a report covers: exact filters on tenant (by name), key (by id), model (as asked:
+`model:adapter` for an adapter's requests, billing/asked_model.py), status, end
 user, tag and cache hit, and a [since, until) window on the time the event was recorded. Values are checked
 when the filter is made (billing/field_checks.py) and reach SQL only as bound parameters compared with `=`,
 never LIKE: any text is data."""
@@ -11,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Select, func, literal, select
 
+from billing.asked_model import is_asked_model
 from billing.field_checks import MAX_SQL_INT, FieldError, optional_text_field
 from billing.models import Tenant, UsageEvent
 from billing.report_query import as_datetime
@@ -61,10 +63,12 @@ class EventFilter:
         ev = UsageEvent
         if self.tenant is not None:
             q = q.where(ev.tenant_id.in_(select(Tenant.id).where(Tenant.name == self.tenant).scalar_subquery()))
-        for column, value in ((ev.api_key_id, self.key_id), (ev.model, self.model), (ev.status, self.status),
-                              (ev.end_user, self.end_user), (ev.cache_hit, self.cache_hit)):
+        for column, value in ((ev.api_key_id, self.key_id), (ev.status, self.status), (ev.end_user, self.end_user),
+                              (ev.cache_hit, self.cache_hit)):
             if value is not None:
                 q = q.where(column == value)
+        if self.model is not None:
+            q = q.where(is_asked_model(self.model))
         if self.tag is not None:
             q = q.where(has_tag(dialect, self.tag))
         if self.since is not None:

@@ -23,6 +23,7 @@ from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 
 from sqlalchemy import Engine, func, select
 
+from billing.asked_model import asked_name
 from billing.field_checks import text_field
 from billing.charged_prices import (event_cached_input_price, event_input_price, event_output_price,
                                     interval_gpu_hour, join_list_prices)
@@ -187,7 +188,7 @@ def _usage(engine: Engine, tenant_id: int, start: date, end: date) -> list[_Usag
          .group_by(ev.model, ev.adapter, ev.cache_hit, *prices))
     q = within(join_list_prices(q, ev.model), ev.created_at, start, end)
     with engine.connect() as conn:
-        return [_Usage(m if a is None else f"{m}:{a}", bool(h), i, c, o, int(n), int(p), int(k), min(int(x), int(p)))
+        return [_Usage(asked_name(m, a), bool(h), i, c, o, int(n), int(p), int(k), min(int(x), int(p)))
                 for m, a, h, i, c, o, n, p, k, x in conn.execute(q)]
 
 

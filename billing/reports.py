@@ -14,6 +14,7 @@ from decimal import Decimal
 import pandas as pd
 from sqlalchemy import case, func, select
 
+from billing.asked_model import asked_model
 from billing.charged_prices import (event_cached_input_price, event_input_price, event_output_price,
                                     interval_gpu_hour, join_list_prices)
 
@@ -56,10 +57,11 @@ def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) ->
     hit = ev.cache_hit.is_(True)
     miss = ev.cache_hit.is_(False)
     day = day_of(ev.created_at).label("day")
+    model = asked_model()  # an adapter's requests are a model of their own, as on invoices
     prices = (event_input_price().label("p_in"), event_cached_input_price().label("p_cached"),
               event_output_price().label("p_out"))
     q = (
-        select(day, Tenant.name.label("tenant"), ev.model.label("model"), *prices,
+        select(day, Tenant.name.label("tenant"), model.label("model"), *prices,
                _count_if(ev.status == "ok").label("requests_ok"),
                _count_if(ev.status == "failed").label("requests_failed"),
                _count_if(ev.status == "cancelled").label("requests_cancelled"),
@@ -74,7 +76,7 @@ def usage_by_tenant_day_model(db: Db, since: When = None, until: When = None) ->
                _sum_if(hit, ev.completion_tokens).label("hit_output"))
         .select_from(ev)
         .outerjoin(Tenant, Tenant.id == ev.tenant_id)
-        .group_by(day, Tenant.name, ev.model, *prices)
+        .group_by(day, Tenant.name, model, *prices)
     )
     q = within(join_list_prices(q, ev.model), ev.created_at, since, until)
     counts = USAGE_COLUMNS[3:10]  # requests by status, tokens, cache hits

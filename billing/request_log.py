@@ -11,6 +11,7 @@ from decimal import Decimal
 
 from sqlalchemy import Engine, and_, case, func, or_, select
 
+from billing.asked_model import asked_model
 from billing.event_filter import EventFilter
 from billing.models import ApiKey, Tenant, UsageEvent
 from billing.report_query import as_datetime
@@ -89,7 +90,7 @@ def iter_log(engine: Engine, events: EventFilter, batch: int = EXPORT_BATCH) -> 
 def _listing(engine: Engine, events: EventFilter):  # type: ignore[no-untyped-def]
     ev = UsageEvent
     q = (select(ev.id, ev.created_at, ev.request_id, Tenant.name, ev.api_key_id, ApiKey.prefix, ev.end_user,
-                ev.tags, ev.model, ev.endpoint, ev.route, ev.status, ev.prompt_tokens, ev.completion_tokens,
+                ev.tags, asked_model().label("model"), ev.endpoint, ev.route, ev.status, ev.prompt_tokens, ev.completion_tokens,
                 ev.cached_tokens, ev.cache_hit, ev.latency_s, ev.ttft_s, ev.cost_usd, ev.error)
          .select_from(ev)
          .outerjoin(Tenant, Tenant.id == ev.tenant_id)

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from sqlalchemy import Connection, Engine, case, func, select
 
+from billing.asked_model import asked_model
 from billing.models import Tenant, UsageEvent
 from billing.money import ZERO
 from billing.report_query import day_of, within
@@ -55,7 +56,7 @@ def spend_by_day(engine: Engine, by: str, first: date, last: date, top: int | No
     ev = UsageEvent
     until = last + timedelta(days=1)
     # tenants are grouped by id (names are only labels); events of no tenant as id -1
-    key = func.coalesce(ev.tenant_id, -1) if by == "tenant" else ev.model
+    key = func.coalesce(ev.tenant_id, -1) if by == "tenant" else asked_model()
     spent = func.coalesce(func.sum(ev.cost_usd), 0)
     ranked = within(select(key, spent).group_by(key).order_by(spent.desc(), key), ev.created_at, first, until)
     with engine.connect() as conn:

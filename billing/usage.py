@@ -10,12 +10,13 @@ from datetime import datetime
 import pandas as pd
 from sqlalchemy import Engine, String, cast, func, select, true
 
+from billing.asked_model import asked_model
 from billing.event_filter import has_tag, tag_elements
 from billing.field_checks import text_field
 from billing.models import ApiKey, Tenant, UsageEvent
 from billing.money import Money
 
-GROUPS = ("day", "month", "model", "tenant", "key", "user", "tag", "status", "endpoint")
+GROUPS = ("day", "month", "model", "tenant", "key", "user", "tag", "status", "endpoint")  # model: as asked
 PER_TENANT = ("user", "tag")  # groups whose names belong to one tenant
 
 
@@ -41,7 +42,7 @@ def usage_frame(
     columns = {
         "day": func.substr(cast(created, String), 1, 10),
         "month": func.substr(cast(created, String), 1, 7),
-        "model": UsageEvent.model,
+        "model": asked_model(),
         "tenant": Tenant.name,
         "key": ApiKey.prefix,
         "user": UsageEvent.end_user,

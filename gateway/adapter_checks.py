@@ -34,5 +34,5 @@ def check_adapter(spec: ModelSpec, name: str, source: str) -> None:
     try:
         load_adapter(source, name, base, config.max_lora_rank, torch.float32)
     except ValueError as e:
-        message = str(e)
+        message = str(e).removeprefix("lora_path: ")  # the engine's name for what a spec calls `source`
         raise AdapterRefused("source", message if message.startswith("source") else f"source: {message}") from None

@@ -33,8 +33,11 @@ adapter_router = APIRouter(prefix="/admin")
 
 
 def _row(adapter: ServedAdapter) -> dict[str, Any]:
+    prices = adapter.prices
     return {"id": adapter.id, "model": adapter.model, "name": adapter.name, "source": adapter.source,
             "tenants": sorted(adapter.tenants) if adapter.tenants is not None else None,
+            "input_per_1m": str(prices.input_per_1m) if prices is not None else None,  # None: its base model's
+            "output_per_1m": str(prices.output_per_1m) if prices is not None else None,
             "added": "spec" if adapter.from_spec else "run time"}
 
 
@@ -126,7 +129,8 @@ async def remove_adapter(model: str, name: str, gw: Gateway = Depends(require_ad
                        "adapter_not_found", "name")
     if adapter.from_spec:
         raise invalid_request(f"name: `{adapter.id}` is listed in the spec of `{model}`: take it out of the spec and "
-                              "deploy the spec again", "name")
+                              "deploy the spec again (`platform deploy` on `platform up`; under `serve --local`, "
+                              "restart it)", "name")
     await run_in_threadpool(delete_adapter, gw.db, model, name)
     gw.models.adapters.remove(adapter.id)
     backend = gw.backends.get(model)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from billing.asked_model import SEPARATOR
 from billing.model_adapters import AdapterRecord
 from billing.pricing import Prices
 from gateway.errors import model_not_found
 from gateway.specs import ModelSpec
-
-SEPARATOR = ":"
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,24 @@ class ServedAdapter:
         return self.tenants is None or tenant in self.tenants
 
 
+# the files of a PEFT adapter directory that decide its answers
+_WEIGHT_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def weights_fingerprint(source: str) -> str:
+    """Which weights an adapter's source holds now, cheaply: its resolved path and its files' sizes and modification
+    times. A name added again over other weights, or files written again in place, get another fingerprint."""
+    path = Path(source).resolve()
+    parts = [str(path)]
+    for name in _WEIGHT_FILES if path.is_dir() else ("",):
+        try:
+            st = (path / name if name else path).stat()
+        except OSError:
+            continue
+        parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     base: str  # the deployed model that runs the request
@@ -45,6 +63,13 @@ class ResolvedModel:
     def id(self) -> str:
         """What the client asked for: the model, or model:adapter."""
         return self.adapter.id if self.adapter is not None else self.base
+
+    def cache_model(self) -> str:
+        """The model as the semantic cache's namespace holds it: an adapter's answers are kept apart from its base's
+        and other adapters', and from those of earlier weights served under the same name."""
+        if self.adapter is None:
+            return self.base
+        return f"{self.adapter.id}@{weights_fingerprint(self.adapter.source)}"
 
 
 class AdapterTable:

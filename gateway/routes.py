@@ -20,7 +20,7 @@ from gateway.answer_reuse import AUTO_MODEL, CacheOutcome, hit_stream
 from gateway.auth import Principal
 from gateway.auth_throttle import client_address
 from gateway.backends import GenerationRequest
-from gateway.errors import APIError, invalid_body, invalid_json, invalid_request
+from gateway.errors import APIError, invalid_body, invalid_json, invalid_request, model_not_found
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.prompt_length import refuse_overlong
@@ -86,8 +86,7 @@ async def _is_admin(request: Request, gw: Gateway) -> bool:
         return False
 
 
-@router.get("/v1/models")
-async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+def visible_models(p: Principal, gw: Gateway) -> list[dict[str, Any]]:
     """The deployed models, and the LoRA adapters this tenant may use (`model:adapter`, `parent` its model)."""
     data = []
     for name, backend in gw.backends.items():
@@ -103,7 +102,23 @@ async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(g
         data.append({"id": adapter.id, "object": "model", "created": 0, "owned_by": "tollgate", "kind": "chat",
                      "parent": adapter.model, "max_model_len": info.max_model_len if info else None,
                      "state": info.state if info else "unavailable"})
-    return {"object": "list", "data": data}
+    return data
+
+
+@router.get("/v1/models")
+async def list_models(p: Principal = Depends(principal), gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+    return {"object": "list", "data": visible_models(p, gw)}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, p: Principal = Depends(principal),
+                         gw: Gateway = Depends(gateway)) -> dict[str, Any]:
+    """One entry of /v1/models (OpenAI's retrieve); 404 model_not_found for any other id, adapters this tenant may
+    not use among them."""
+    found = next((m for m in visible_models(p, gw) if m["id"] == model), None)
+    if found is None:
+        raise model_not_found(model)
+    return found
 
 
 @contextlib.contextmanager
@@ -235,9 +250,10 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         if route is not None:
             call.route = route.task
             headers["x-tollgate-route"] = route.header
-        # the cache namespace holds the model id as asked, so an adapter's answers never serve its base or another
+        # the cache namespace holds the model as asked, with an adapter's weights: its answers never serve its base,
+        # another adapter, or other weights later served under its name
         outcome = CacheOutcome(None) if cache_view is None else await gw.reuse.lookup(
-            p.tenant_uid, model, cache_view, p.cache_max_false_hit_rate)
+            p.tenant_uid, resolved.cache_model(), cache_view, p.cache_max_false_hit_rate)
         if outcome.decision is not None:
             headers.update(outcome.headers())
         if outcome.hit is not None:

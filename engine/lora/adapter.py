@@ -101,7 +101,8 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None or match.group(2) not in TARGETS:
-            raise ValueError(f"lora_path: tensor {key!r} is not a LoRA A/B of one of {sorted(TARGETS)}")
+            raise ValueError(f"lora_path: tensor {key!r} is not a LoRA A/B of one of {sorted(TARGETS)} (target_modules: "
+                             "only the decoder layers' q/k/v/o/gate/up/down projections can be adapted)")
         layer = int(match.group(1))
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"lora_path: tensor {key!r} is for layer {layer}; the model has {cfg.num_hidden_layers}")

@@ -72,6 +72,8 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     rows = _call(args, settings, "GET", "/admin/adapters")["data"]
     for row in rows:
         row["tenants"] = ",".join(row["tenants"]) if row["tenants"] else "all"
+        for price in ("input_per_1m", "output_per_1m"):
+            row[price] = row[price] if row[price] is not None else "base model's"
     print_rows(rows, args.json)
     return 0
 

@@ -58,7 +58,9 @@ def register(sub: Any) -> None:
     usage.add_argument("--until", type=date_arg, help=UNTIL_HELP)
     usage.add_argument("--user", help="only this end user (the requests' `user` field)")
     usage.add_argument("--tag", help="only events carrying this tag (a key's project or a request's metadata.tags)")
-    usage.add_argument("--group-by", default="day,model", help="comma list of day,month,model,tenant,key,user,status")
+    usage.add_argument("--group-by", default="day,model",
+                       help="comma list of day,month,model,tenant,key,user,tag,status,endpoint (model as asked: "
+                            "model:adapter for a LoRA adapter's requests)")
     usage.add_argument("--gpu", action="store_true", help="replica time per model and day: alive, busy, idle rate")
     usage.add_argument("--model", help="with --gpu: only this model")
     usage.add_argument("--by", choices=("model", "tenant"), default="model",

@@ -9,6 +9,7 @@ from decimal import Decimal
 
 from sqlalchemy import Engine, case, func, select
 
+from billing.asked_model import asked_model
 from billing.cache_savings import NOTHING, Savings, savings_by_tenant_model
 from billing.event_filter import EventFilter
 from billing.models import ApiKey, Tenant, UsageEvent
@@ -114,7 +115,8 @@ def tenant_daily_cost(db: Engine, tenant: str, days: int) -> list[DailyCost]:
 
 def tenant_cost_by_model(db: Engine, tenant: str, since: date) -> list[tuple[str, Decimal]]:
     ev = UsageEvent
-    q = (select(ev.model, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
-         .where(Tenant.name == tenant).group_by(ev.model).order_by(ev.model))
+    model = asked_model()
+    q = (select(model, func.sum(ev.cost_usd)).join(Tenant, Tenant.id == ev.tenant_id)
+         .where(Tenant.name == tenant).group_by(model).order_by(model))
     with db.connect() as conn:
         return [(m, c) for m, c in conn.execute(within(q, ev.created_at, since, None))]

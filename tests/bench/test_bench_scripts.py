@@ -135,8 +135,7 @@ def test_lora_decode_forms_bench_runs_every_form_of_every_group_on_cpu(tmp_path)
                                    "--num-slots", "2", "--used-slots", "1,2", "--json", str(path)])
     assert kernels._triton_for is triton_for
     written = json.loads(path.read_text())["rows"]
-    assert [{k: v for k, v in r.items() if k != "us_per_layer"} for r in written] == [
-        {k: v for k, v in r.items() if k != "us_per_layer"} for r in rows]  # times: NaN on CPU (nothing to time)
+    assert written == rows and all(r["us_per_layer"] is None for r in rows)  # on cpu nothing is timed
     runs = {(r["group"], r["form"], r["used_slots"], r["b_layout"]) for r in rows}
     for group in ("qkv", "o", "gate_up", "down"):
         assert {(group, "bgmv", 1, "rank-major"), (group, "bgmv", 1, "slot-major"), (group, "dense", 2, "rank-major"),

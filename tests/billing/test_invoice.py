@@ -9,9 +9,13 @@ from decimal import Decimal
 import pytest
 from sqlalchemy.orm import Session
 
+from billing.event_filter import EventFilter
 from billing.invoice import build_invoice, month_bounds, to_cents
 from billing.invoice_render import render
 from billing.models import ModelDeployment, Tenant, UsageEvent
+from billing.reports import usage_by_tenant_day_model
+from billing.request_log import log_page
+from billing.usage import usage_frame
 
 EVIL = "<script>alert(1)</script>'; DROP TABLE usage_events; --"
 MARCH = datetime(2026, 3, 10, tzinfo=timezone.utc)
@@ -128,3 +132,12 @@ def test_adapter_requests_are_lines_of_their_own_at_the_adapters_prices(db):
     got = {(line.model, line.kind): line.amount_cents for line in inv.lines}
     assert got == {("small", "input"): 5, ("small", "output"): 10, ("small:legal", "input"): 100,
                    ("small:legal", "output"): 200, ("small:plain", "input"): 5, ("small:plain", "output"): 10}
+    # each line's model names the same requests in the request log it links into, in usage groups and in reports
+    # (a fresh-clone trial found the adapter lines' links empty and the base line's counting the adapters' too)
+    start, end = month_bounds("2026-03")
+    for model, request_id in (("small", "a0"), ("small:legal", "a1"), ("small:plain", "a2")):
+        logged = log_page(db, EventFilter(tenant="acme", model=model, since=start, until=end), offset=0, limit=10)
+        assert [(r.request_id, r.model) for r in logged] == [(request_id, model)]
+    assert sorted(usage_frame(db, tenant="acme", group_by=("model",))["model"]) == ["small", "small:legal",
+                                                                                   "small:plain"]
+    assert sorted(usage_by_tenant_day_model(db)["model"]) == ["small", "small:legal", "small:plain"]

@@ -91,6 +91,9 @@ def test_allowed_tenant_gets_the_adapters_greedy_tokens(clients, lora_server, sm
     assert f"{MODEL}:tuned" in ids
     listed = next(m for m in client.models.list().data if m.id == f"{MODEL}:tuned")
     assert listed.model_extra["parent"] == MODEL
+    retrieved = client.models.retrieve(f"{MODEL}:tuned")  # OpenAI's GET /v1/models/{model}
+    assert (retrieved.id, retrieved.model_extra["parent"]) == (f"{MODEL}:tuned", MODEL)
+    assert client.models.retrieve(MODEL).id == MODEL
 
 
 def test_other_tenants_get_404_and_do_not_see_it(clients):
@@ -101,6 +104,9 @@ def test_other_tenants_get_404_and_do_not_see_it(clients):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=f"{MODEL}:nope", messages=[{"role": "user", "content": "hi"}])
     assert all(":" not in m.id for m in client.models.list().data)
+    with pytest.raises(openai.NotFoundError) as e:  # retrieving it: as absent as any unknown model
+        client.models.retrieve(f"{MODEL}:tuned")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_adapters_added_and_removed_at_run_time_with_the_cli(clients, lora_server, smollm2_hf, adapters,
@@ -192,6 +198,39 @@ def test_a_refresh_read_before_a_run_time_change_does_not_undo_it():
     assert not table.replace([], read_at)  # ...and the refresh's older view is dropped, not swapped in
     assert table.resolve("m:new", "acme").adapter == added
     assert table.replace([], table.version) and table.all() == []
+
+
+def test_the_cache_keeps_apart_the_weights_served_under_one_adapter_name(tmp_path):
+    """A name added again over another adapter's files, or whose files are written again, gets a cache namespace of
+    its own: the semantic cache never answers with what earlier weights said (a fresh-clone trial found it did)."""
+    import os
+
+    from cache.namespace import TenantCacheSettings, namespace_for_request
+    from gateway.adapters import AdapterTable, ServedAdapter
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text('{"r": 8}')
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(name.encode() * 64)
+    table = AdapterTable([ServedAdapter("m", "bot", str(tmp_path / "a"), None, None, from_spec=False)])
+    body = {"model": "m:bot", "messages": [{"role": "user", "content": "What is a lease?"}], "temperature": 0}
+
+    def namespace() -> str:
+        return namespace_for_request("t", table.resolve("m:bot", "t").cache_model(), body,
+                                     TenantCacheSettings()).namespace.key
+
+    first = namespace()
+    assert namespace() == first  # the same weights: answers reused
+    base = namespace_for_request("t", table.resolve("m", "t").cache_model(), body, TenantCacheSettings())
+    assert base.namespace.key != first
+    table.remove("m:bot")
+    table.put(ServedAdapter("m", "bot", str(tmp_path / "b"), None, None, from_spec=False))  # re-added over b's files
+    assert namespace() != first
+    again = namespace()
+    weights = tmp_path / "b" / "adapter_model.safetensors"
+    weights.write_bytes(b"c" * 65)  # written again in place (another size; a same-size rewrite moves mtime_ns)
+    os.utime(weights, ns=(1, 1))
+    assert namespace() not in (first, again)
 
 
 def test_a_gateway_over_the_same_engine_follows_adapters_another_adds_and_removes(
