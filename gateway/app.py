@@ -47,20 +47,24 @@ LOCAL_BACKENDS = (LocalEngineBackend, LocalEmbeddingBackend)  # models that run 
 
 def create_app(settings: Settings, db: Engine, backends: dict[str, ModelBackend], specs: list[ModelSpec], *,
                own_backends: bool = False, behind_serve: bool = False, freeze_after_start: bool = False,
-               record_intervals: bool = True, follow_adapters_s: float | None = None) -> FastAPI:
+               record_intervals: bool = True, follow_adapters_s: float | None = None,
+               refused_specs: list[str] | None = None) -> FastAPI:
     """`own_backends`: start LocalEngineBackends at startup (a model that cannot load stays unavailable,
     with its reason, and the others serve) and stop them at shutdown, after in-flight requests drained; with
     `record_intervals` (one of several API processes over the same engines: only one) they write replica intervals.
     `behind_serve`: Ray Serve's proxy gives every response its x-request-id (and passes it in the request).
     `freeze_after_start`: for a server process (not tests that build many apps in one): gc.freeze() once started.
     `follow_adapters_s`: read the adapters added or removed at run time from the database this often (several API
-    processes over the same engines: one of them changed the engine, the others learn of it here)."""
+    processes over the same engines: one of them changed the engine, the others learn of it here).
+    `refused_specs`: the spec files of the models directory that could not be read (load_specs' errors, logged):
+    /health names them and is degraded."""
     models = DeployedModels(dict(backends), {s.name: s for s in specs})
     gw = Gateway(db, models, key_cache_ttl_s=settings.key_cache_ttl_s, ledger_max_batch=settings.ledger_max_batch,
                  reuse=AnswerReuse(None), ledger_spill_dir=settings.ledger_spill_path,
                  ledger_max_buffer=settings.ledger_max_buffer, admission_db_timeout_s=settings.admission_db_timeout_s,
                  budget_alert_webhook=settings.budget_alert_webhook, budget_leases=settings.budget_leases)
     gw.models_dir = settings.models_dir  # where `platform adapters add` may read adapters from, besides the roots
+    gw.refused_specs = sorted(refused_specs or [])
     in_flight = gw.in_flight
 
     @asynccontextmanager

@@ -55,14 +55,17 @@ async def principal(request: Request) -> Principal:
 
 @router.get("/health", response_model=None)
 async def health(gw: Gateway = Depends(gateway)) -> dict[str, Any] | JSONResponse:
-    """200 ok (every model serving) or degraded (some cannot); 503 draining once a stop began, so that a load
-    balancer sends new requests elsewhere while this gateway finishes its streams."""
+    """200 ok (every model serving) or degraded (some cannot, or a spec file could not be read); 503 draining once
+    a stop began, so that a load balancer sends new requests elsewhere while this gateway finishes its streams."""
     infos = {name: b.info() for name, b in gw.backends.items()}
     models = {name: info.state for name, info in infos.items()}
     if gw.in_flight.draining:
         return JSONResponse({"status": "draining", "models": models}, status_code=503)
-    ok = all(info.serving for info in infos.values())
-    return {"status": "ok" if ok else "degraded", "models": models}
+    ok = all(info.serving for info in infos.values()) and not gw.refused_specs
+    body: dict[str, Any] = {"status": "ok" if ok else "degraded", "models": models}
+    if gw.refused_specs:  # file names only: why each was refused is in the server's log, not for any caller
+        body["refused_specs"] = gw.refused_specs
+    return body
 
 
 @router.get("/metrics")

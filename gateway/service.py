@@ -131,6 +131,7 @@ class Gateway:
         self.db = db
         self.models = models  # replaced whole when deployments change (gateway/deployed.py)
         self.models_dir: Path = Path.cwd()  # the spec directory (settings.models_dir): adapters may load from it
+        self.refused_specs: list[str] = []  # spec files of that directory that could not be read (/health)
         self.reuse = reuse or AnswerReuse(None)
         # key lookups and limits read the database on the request path: with it unreachable they give up
         # after admission_db_timeout_s (then fail open, see limits.py), not after the ledger's long wait

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from gateway.cli.draining_server import DRAINED_SHUTDOWN_S
@@ -209,9 +210,10 @@ def run_worker() -> None:
     settings = Settings.load()
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {part['index']}]: %(message)s")
-    specs = load_specs(settings.models_dir).specs  # the supervisor logged the specs it could not read
-    serve_local(settings, specs, core_connections={name: Connection(fd) for name, fd in part["cores"].items()},
-                listen=socket.socket(fileno=part["listen_fd"]), api_server=part["index"])
+    found = load_specs(settings.models_dir)  # the supervisor logged the specs it could not read
+    serve_local(settings, found.specs, core_connections={name: Connection(fd) for name, fd in part["cores"].items()},
+                listen=socket.socket(fileno=part["listen_fd"]), api_server=part["index"],
+                refused_specs=[Path(p).name for p in found.errors])
     # drained and its ledger flushed: end without the interpreter's teardown, where native extensions loaded with the
     # engine's modules print reference-count warnings that read like a crash
     logging.shutdown()

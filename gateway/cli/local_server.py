@@ -13,7 +13,8 @@ from gateway.specs import ModelSpec
 
 
 def serve_local(settings: Settings, specs: list[ModelSpec], *, core_connections: dict[str, Any] | None = None,
-                listen: socket.socket | None = None, api_server: int = 0) -> None:
+                listen: socket.socket | None = None, api_server: int = 0,
+                refused_specs: list[str] | None = None) -> None:
     """The gateway and an in-process engine per spec. A model that cannot load is served as unavailable
     (503 naming the reason); SIGTERM / Ctrl-C drain in-flight requests for up to settings.drain_s.
     As one of several API processes (gateway/cli/api_servers.py): the chat models' engines are the cores behind
@@ -32,7 +33,8 @@ def serve_local(settings: Settings, specs: list[ModelSpec], *, core_connections:
         else LocalEngineBackend(s, core_connection=connections.get(s.name)) for s in specs}
     app = create_app(settings, db, backends, specs, own_backends=True, freeze_after_start=True,
                      record_intervals=api_server == 0,
-                     follow_adapters_s=settings.registry_refresh_s if listen is not None else None)
+                     follow_adapters_s=settings.registry_refresh_s if listen is not None else None,
+                     refused_specs=refused_specs)
     # the access log prints paths and status codes only: never headers (keys) or bodies (prompts)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=DRAINED_SHUTDOWN_S)

@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     if args.local:
         from gateway.cli.local_server import serve_local
 
-        serve_local(settings, found.specs)
+        serve_local(settings, found.specs, refused_specs=[Path(p).name for p in found.errors])
         return 0
     return serve_platform(settings, found.specs, key=None)
 

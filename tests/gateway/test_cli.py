@@ -121,7 +121,8 @@ def test_serve_local_serves_what_it_can_and_drains_on_sigterm(db_url, tmp_path):
         assert listed["smollm2"]["state"] == "ready"
         assert listed["missing"]["state"] == "unavailable"
         assert "no such model directory or file" in listed["missing"]["reason"]
-        assert httpx.get(f"{url}/health").json()["status"] == "degraded"
+        assert httpx.get(f"{url}/health").json() == {"status": "degraded", "refused_specs": ["invalid.yaml"],
+                                                      "models": {"smollm2": "ready", "missing": "unavailable"}}
 
         r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
                        json={"model": "missing", "messages": [{"role": "user", "content": "hi"}]})
