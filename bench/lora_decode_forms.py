@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as ops
+from bench.lora_kernels import time_us
 from engine.lora.targets import group_shapes
 from engine.random_models import random_model_config
 from kernels.lora_indices import lora_indices
@@ -55,25 +55,11 @@ class Timer:
         self.device, self.layers, self.replays = device, layers, replays
 
     def per_layer_us(self, run) -> float | None:
+        """Microseconds per layer of run() (all layers), from CUDA graph replays; on cpu run once, untimed."""
         if self.device.type != "cuda":
             run()
             return None
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / self.layers)
-        return statistics.median(times)
+        return time_us("cuda", lambda _: run(), 1, self.replays, per=self.layers)
 
 
 def _layer(shape, slots: int, rank: int, batch: int, device, dtype) -> dict:
