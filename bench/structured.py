@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -58,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-scheduling", action="store_true", help="read each step's tokens before the next step")
     p.add_argument("--lexers", type=int, help="lexers a grammar spreads its sequences over (default: --mask-threads)")
     p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
+    p.add_argument("--mask-processes", type=int,
+                   help="EngineConfig.structured_output_processes (default: the engine's choice for the machine)")
+    p.add_argument("--switch-interval", type=float, metavar="SECONDS",
+                   help="sys.setswitchinterval for the run (the engine's own setting when not given)")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
@@ -87,8 +92,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    mask_seconds, ahead_seconds, native_seconds, mask_steps = (masker.seconds, masker.ahead_seconds,
-                                                               masker.native_seconds, masker.steps)
+    mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead = (
+        masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead)
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -98,6 +103,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     masker.wait()
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
+            "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
             "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
             "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0}
@@ -113,6 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "max_num_seqs": max(args.batch, 1), "async_scheduling": not args.sync_scheduling}
     if args.tokenizer:
         config["tokenizer"] = args.tokenizer
+    if args.mask_processes is not None:
+        config["structured_output_processes"] = args.mask_processes
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     log(f"loading {args.model} on {args.device}")
     llm = LLM(args.model, **config)
     masker = llm.engine.runner.token_masker
@@ -152,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
         "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
         "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
-        "mask_threads": masker.threads, "lexers": llm.engine.grammars.lexers,
+        "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
+        "mask_processes": llm.engine.grammars.processes, "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }
     emit(result, args.out)

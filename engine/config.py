@@ -61,6 +61,10 @@ class EngineConfig:
     tp_fused_norm: bool = True
     # int4 weights: batch-1 decode on CUDA rounds each linear's input to int8 for a DP4A GEMV; False keeps bf16.
     int4_int8_activations: bool = True
+    # Structured outputs: processes holding the sequences' grammar matchers, which fill each step's token masks
+    # beside the engine thread (engine/mask_processes.py); 0 fills them in this process (llguidance's thread pool);
+    # None: 0 on CPU and below 8 cores, else one per 4 cores, at most 4.
+    structured_output_processes: int | None = None
     # Where AsyncEngine (serving) runs the engine: "process" (its own, fed over a socket; vLLM v1's EngineCore),
     # "thread" (one in the serving process), "auto" (process on CUDA, thread on CPU). LLM (offline) ignores it.
     engine_core: str = "auto"
@@ -113,6 +117,9 @@ class EngineConfig:
         positive_int("max_num_batched_tokens")
         positive_int("num_kv_blocks", optional=True)
         positive_int("stream_interval")
+        check(self.structured_output_processes is None or (_is_int(self.structured_output_processes)
+                                                           and 0 <= self.structured_output_processes <= 64),
+              "structured_output_processes", f"must be an integer in [0, 64], got {self.structured_output_processes!r}")
         check(_is_int(self.max_loras) and self.max_loras >= 0, "max_loras",
               f"must be an integer >= 0, got {self.max_loras!r}")
         check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= 256, "max_lora_rank",

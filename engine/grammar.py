@@ -8,6 +8,7 @@ not, if/then, ...) rather than ignoring them, so every refusal here is a ValueEr
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -22,6 +23,7 @@ from engine.deferred_tokens import PENDING_TOKEN
 from engine.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
+    from engine.mask_processes import MaskProcesses
     from engine.sequence import Sequence
     from engine.tokenizer import Tokenizer
 
@@ -91,6 +93,17 @@ def mask_threads() -> int:
     return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 
 
+def mask_processes(setting: int | None, device: Any) -> int:
+    """EngineConfig.structured_output_processes in effect: when not set, none on a CPU device (the forward pass
+    needs the cores) and on machines of fewer than 8 cores, else a process per 4 cores, at most 4."""
+    if setting is not None:
+        return setting
+    cores = len(os.sched_getaffinity(0))
+    if getattr(device, "type", "cpu") != "cuda" or cores < 8:
+        return 0
+    return min(4, cores // 4)
+
+
 @dataclass
 class CompiledGrammar:
     """A constraint compiled for the tokenizer. An llguidance matcher's copies share its lexer (deep_copy copies
@@ -116,15 +129,30 @@ class CompiledGrammar:
 
 class SequenceGrammar:
     """One sequence's matcher: it consumes the sequence's output tokens as they are read, and its mask says which
-    tokens may come next (engine/token_mask.py)."""
+    tokens may come next (engine/token_mask.py). With mask processes (engine/mask_processes.py) the matcher lives
+    in one of them: `matcher` is None, `pool`, `worker` and `key` say where, and `grammar_key` and `text` rebuild
+    it there."""
 
-    __slots__ = ("matcher", "num_consumed", "mask_words", "rejected", "__weakref__")
+    __slots__ = ("matcher", "num_consumed", "mask_words", "rejected", "pool", "worker", "key", "grammar_key",
+                 "text", "__weakref__")
 
-    def __init__(self, matcher: Any, mask_words: int) -> None:
+    def __init__(self, matcher: Any, mask_words: int, compiled: CompiledGrammar | None = None,
+                 pool: MaskProcesses | None = None) -> None:
         self.matcher = matcher
         self.num_consumed = 0  # output tokens consumed
         self.mask_words = mask_words  # int32 words of one mask row
         self.rejected = False  # a token outside the grammar was read (never, while masks are applied)
+        self.pool = pool
+        self.worker = self.key = -1
+        self.grammar_key = compiled.key if compiled is not None else ""
+        self.text = compiled.text if compiled is not None else ""
+        if pool is not None:
+            pool.assign(self, self.grammar_key, self.text)
+
+    def reset(self) -> None:
+        """The matcher is back in its start state (its mask process was started again): every token is new."""
+        self.num_consumed = 0
+        self.rejected = False
 
     def new_tokens(self, seq: Sequence) -> list[int]:
         """The output tokens read since the matcher last consumed (up to a placeholder still on the device)."""
@@ -140,11 +168,14 @@ class SequenceGrammar:
     def consumed(self, seq: Sequence, token: int, accepted: bool) -> None:
         """Books one token the matcher has consumed (accepted: it was inside the grammar)."""
         self.num_consumed += 1
-        if not accepted and not self.rejected:
+        if not accepted:
+            self.refused(seq, token, self.matcher.get_error())
+
+    def refused(self, seq: Sequence, token: int, error: str) -> None:
+        if not self.rejected:
             # from an error state only end-of-sequence is allowed: the sequence stops at its next token
             self.rejected = True
-            log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token,
-                        _message(self.matcher.get_error()))
+            log.warning("request %s: token %d is outside its grammar: %s", seq.request_id, token, _message(error))
 
 
 class GrammarCompiler:
@@ -153,9 +184,16 @@ class GrammarCompiler:
     finishes or is aborted)."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = CACHE_SIZE, lexers: int | None = None) -> None:
-        """`lexers`: per grammar, at most (mask_threads() when not given)."""
+                 cache_size: int = CACHE_SIZE, lexers: int | None = None, processes: int = 0,
+                 max_rows: int = 256, device: Any = None) -> None:
+        """`lexers`: per grammar, at most (mask_threads() when not given). `processes`: hold the matchers in that
+        many mask processes (engine/mask_processes.py, started with the first structured request) whose buffer
+        has room for `max_rows` masks a step, pinned for a CUDA `device`; 0 keeps them in this process."""
         self._tokenizer = tokenizer
+        self.processes = processes
+        self.max_rows = max_rows
+        self.device = device
+        self._pool: MaskProcesses | None = None
         self.lexers = lexers or mask_threads()
         self.vocab_size = vocab_size  # the model's logits rows: a mask covers them all (a tokenizer may have fewer)
         self._eos = sorted(eos_token_ids)
@@ -212,6 +250,31 @@ class GrammarCompiler:
         return compiled
 
     def new_matcher(self, compiled: CompiledGrammar) -> SequenceGrammar:
-        grammar = SequenceGrammar(compiled.next_template().deep_copy(), self.mask_words)
+        if self.processes:
+            grammar = SequenceGrammar(None, self.mask_words, compiled, self.pool)
+        else:
+            grammar = SequenceGrammar(compiled.next_template().deep_copy(), self.mask_words, compiled)
         self._live.add(grammar)
         return grammar
+
+    @property
+    def pool(self) -> MaskProcesses:
+        """The mask processes, started on first use."""
+        if self._pool is None:
+            import torch
+
+            from engine.mask_processes import MaskProcesses
+
+            hf = copy.copy(self._tokenizer.hf.backend_tokenizer)  # as llguidance.hf reads it: no padding, whole
+            hf.no_padding()
+            hf.no_truncation()
+            eos = [t for t in self._eos if t < self._tokenizer.vocab_size]
+            self._pool = MaskProcesses(self.processes, hf.to_str(), self.vocab_size, eos, self.max_rows,
+                                       self.mask_words, self.device or torch.device("cpu"))
+        return self._pool
+
+    def close(self) -> None:
+        """Stops the mask processes, if any ran."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()

@@ -16,7 +16,7 @@ from engine.checkpoint_prefetch import prefetch_checkpoint
 from engine.config import EngineConfig, SamplingParams
 from engine.deferred_tokens import DeferredTokens, drop_pending_token
 from engine.errors import PromptTooLongError
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, mask_processes
 from engine.kv_cache import KVCacheManager
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.workers import TensorParallelWorkers
@@ -77,7 +77,9 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         self.eos_token_ids = built.eos_token_ids
         self.runner = built.runner
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        processes=mask_processes(config.structured_output_processes, self.device),
+                                        max_rows=config.max_num_seqs, device=self.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = self.runner.lora  # None unless config.max_loras > 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras)
@@ -240,7 +242,9 @@ class LLMEngine:
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
-            self._add_tokens(previous.read())
+            sampled = previous.read()
+            self.runner.token_masker.tokens_read(previous)  # mask processes fill the next masks from here on
+            self._add_tokens(sampled)
         return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
 
     def _schedule(self) -> ScheduledBatch:
@@ -344,7 +348,10 @@ class LLMEngine:
         return self.sleep_mode.level
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any. A single-process engine needs no closing."""
+        """Stops the structured outputs' mask processes and the tensor-parallel workers, if any."""
+        grammars = getattr(self, "grammars", None)  # an engine whose start failed may have none yet
+        if grammars is not None:
+            grammars.close()
         workers, self.workers = self.workers, None
         if workers is None:
             return

@@ -23,12 +23,16 @@ import weakref
 from collections.abc import Sequence as SequenceOf
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.deferred_tokens import DeferredTokens
 from engine.grammar import SequenceGrammar, mask_threads
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.mask_processes import MaskProcesses
 
 
 @dataclass
@@ -72,6 +76,9 @@ class TokenMasker:
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
+        self._to_send: tuple[DeferredTokens, list] | None = None  # mask processes: tokens to send once read
+        self._in_processes: tuple[MaskProcesses, _Ahead, dict] | None = None  # their round trip under way
+        self._half = 0  # the half of the processes' buffer the next round trip ahead fills
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
         self._rows: torch.Tensor | None = None
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
@@ -95,14 +102,18 @@ class TokenMasker:
 
     def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
         """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
+        self.tokens_read(self._to_send)
         ahead = self._take_ahead()
         constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not constrained:
             return None
         started = time.perf_counter()
         constrained_seqs = [seq for _, seq in constrained]
+        pool = constrained_seqs[0].grammar.pool
         if ahead is not None and ahead.serves(constrained_seqs):
             words, num_ahead = ahead.words, len(constrained)
+        elif pool is not None:
+            words, num_ahead = self._assemble_in_processes(pool, constrained_seqs, ahead)
         else:
             words, num_ahead = self._assemble(constrained_seqs, ahead)
         bitmask = TokenBitmask(self._device_rows(tuple(row for row, _ in constrained)),
@@ -152,22 +163,112 @@ class TokenMasker:
     def start_ahead(self, tokens: DeferredTokens) -> None:
         """The step whose tokens these are has been sampled on the device: fill the masks of the next step in the
         worker thread, as soon as the tokens reach the host. The worker holds the matchers weakly until it runs: a
-        sequence aborted or finished meanwhile lets its matcher go."""
+        sequence aborted or finished meanwhile lets its matcher go. With mask processes the engine thread sends the
+        tokens to them once it has read them (tokens_read)."""
         items = [(row, weakref.ref(seq.grammar)) for row, seq in enumerate(tokens.seqs) if seq.grammar is not None]
         if not items:
+            return
+        if tokens.seqs[items[0][0]].grammar.pool is not None:
+            self._to_send = (tokens, items)
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
         words = self._new_words(len(items), tokens.seqs[items[0][0]].grammar.mask_words)
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
+    def tokens_read(self, pending: tuple[DeferredTokens, list] | DeferredTokens | None) -> None:
+        """The engine thread has read these tokens on the host: with mask processes, each matcher of the step
+        consumes its token and fills the next step's mask there, while the engine thread goes on (for_step collects
+        them). A sequence whose matcher is behind its tokens (its process was started again) is left to for_step."""
+        to_send = self._to_send
+        if to_send is None or pending is None or (pending is not to_send and pending is not to_send[0]):
+            return
+        self._to_send = None
+        tokens, items = to_send
+        values = tokens.tolist()
+        live = [(tokens.seqs[row], grammar, values[row]) for row, ref in items
+                if (grammar := ref()) is not None and not grammar.new_tokens(tokens.seqs[row])]
+        if not live:
+            return
+        started = time.perf_counter()
+        pool = live[0][1].pool
+        half, self._half = self._half, 1 - self._half
+        for _, grammar, _ in live:
+            grammar.num_consumed += 1
+        pool.send([(grammar, [token]) for _, grammar, token in live],
+                  [(grammar, i) for i, (_, grammar, _) in enumerate(live)], half)
+        self._in_processes = (pool, _Ahead([weakref.ref(g) for _, g, _ in live], [g.num_consumed for _, g, _ in live],
+                                           pool.buffer(half)[: len(live)]),
+                              {id(g): (seq, token) for seq, g, token in live})
+        self.seconds += time.perf_counter() - started
+
     def wait(self) -> None:
         """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
         if self._ahead is not None:
             self._ahead.result()
+        self._collect()
+
+    def _collect(self) -> _Ahead | None:
+        """The masks the mask processes filled ahead (waiting for them); their refusals booked."""
+        in_processes, self._in_processes = self._in_processes, None
+        if in_processes is None:
+            return None
+        pool, ahead, sent = in_processes
+        started = time.perf_counter()
+        results, _restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
+        for grammar, accepted, error in results:
+            if accepted == 0 and id(grammar) in sent:
+                seq, token = sent[id(grammar)]
+                grammar.refused(seq, token, error or "")
+        self.seconds += time.perf_counter() - started
+        return ahead
+
+    def _assemble_in_processes(self, pool: MaskProcesses, seqs: list[Sequence],
+                               ahead: _Ahead | None) -> tuple[torch.Tensor, int]:
+        """As _assemble, with the matchers in mask processes: the rows filled ahead that are still current are
+        copied, the others caught up and filled in one round trip (again if a process had to be started again)."""
+        words = self._new_words(len(seqs), seqs[0].grammar.mask_words)
+        ready = ahead.rows_by_grammar() if ahead is not None else {}
+        fresh = []
+        for i, seq in enumerate(seqs):
+            found = ready.get(id(seq.grammar))
+            if (found is not None and found[2] is seq.grammar and found[1] == seq.grammar.num_consumed
+                    and not seq.grammar.new_tokens(seq)):
+                words[i] = ahead.words[found[0]]
+            else:
+                fresh.append(i)
+        num_ahead = len(seqs) - len(fresh)
+        for _attempt in range(3):  # a process started again resets its matchers: they are caught up next time
+            if not fresh:
+                break
+            half = self._half  # the half the next round trip ahead fills: nothing reads it on the device now
+            consume = []
+            for i in fresh:
+                new = seqs[i].grammar.new_tokens(seqs[i])
+                if new:
+                    consume.append((seqs[i], new))
+                    seqs[i].grammar.num_consumed += len(new)
+            pool.send([(seq.grammar, new) for seq, new in consume],
+                      [(seqs[i].grammar, row) for row, i in enumerate(fresh)], half)
+            results, restarted = pool.receive()
+            replies = {id(grammar): (accepted, error) for grammar, accepted, error in results}
+            for seq, new in consume:
+                accepted, error = replies.get(id(seq.grammar), (len(new), None))
+                if accepted < len(new):
+                    seq.grammar.refused(seq, new[accepted], error or "")
+            buffer = pool.buffer(half)
+            for row, i in enumerate(fresh):
+                if seqs[i].grammar.worker not in restarted:
+                    words[i] = buffer[row]
+            fresh = [i for i in fresh if seqs[i].grammar.worker in restarted]
+        if fresh:
+            raise RuntimeError("structured outputs: the mask processes keep exiting")
+        return words, num_ahead
 
     def _take_ahead(self) -> _Ahead | None:
         """The worker's masks (waiting for them); after this call only the engine thread touches the matchers."""
+        if self._in_processes is not None:
+            return self._collect()
         future, self._ahead = self._ahead, None
         if future is None:
             return None

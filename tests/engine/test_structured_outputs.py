@@ -102,6 +102,22 @@ def test_async_sync_and_preempted_runs_give_the_same_valid_outputs(tiny) -> None
     assert tight.engine.metrics.num_preemptions > 0
 
 
+def test_matchers_in_mask_processes_write_the_same_documents(tiny) -> None:
+    """structured_output_processes: the matchers live in two mask processes that fill each step's masks beside the
+    engine thread; async, synchronous and preempted runs write the same documents as matchers in this process."""
+    expected = run(tiny(num_kv_blocks=256), mixed_requests())
+    for config in ({}, {"async_scheduling": False}, {"num_kv_blocks": 12, "max_num_batched_tokens": 32}):
+        llm = tiny(structured_output_processes=2, **({"num_kv_blocks": 256} | config))
+        try:
+            assert run(llm, mixed_requests()) == expected, config
+            masker = llm.engine.runner.token_masker
+            assert llm.engine.grammars.pool is not None and masker.rows > 0
+            if not config:
+                assert masker.rows_ahead > 0.8 * masker.rows  # filled a step ahead, in the processes
+        finally:
+            llm.engine.close()
+
+
 def test_sequences_spread_over_several_lexers_write_the_same_documents(tiny) -> None:
     """Copies of one matcher share its lexer, so the engine spreads a grammar's sequences over several templates,
     each compiled on its own, and fills their masks in parallel: the documents stay the same, token for token."""

@@ -1,0 +1,122 @@
+"""Structured outputs' matchers held by mask processes (engine/mask_processes.py): each step's masks, filled there
+ahead of the step or caught up when the step needs them, are the masks a matcher of the same grammar computes in
+this process after the same tokens; a mask process killed mid-generation is started again and its sequences' masks
+come out the same."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from engine.deferred_tokens import DeferredTokens
+from engine.grammar import GrammarCompiler
+from engine.token_mask import TokenMasker
+from tests.engine.helpers import smollm2_tokenizer
+from tests.engine.test_token_mask import SPECS, allowed, new_sequences
+
+
+@pytest.fixture
+def grammars():
+    tokenizer = smollm2_tokenizer()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=1, processes=2,
+                               max_rows=16)
+    yield compiler
+    compiler.close()
+
+
+def mirrors(grammars: GrammarCompiler, seqs) -> dict[str, object]:
+    """A matcher of each sequence's grammar in this process, to hold the masks against."""
+    return {seq.request_id: grammars.compile(SPECS[i % len(SPECS)]).templates[0].deep_copy()
+            for i, seq in enumerate(seqs)}
+
+
+def own_mask(matcher) -> torch.Tensor:
+    return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+
+
+def check_and_draw(live, words, rows, local, rng: random.Random) -> list[int]:
+    assert rows.tolist() == list(range(len(live)))
+    tokens = []
+    for seq, row in zip(live, words):
+        expected = own_mask(local[seq.request_id])
+        assert torch.equal(row, expected[: row.numel()]), seq.request_id
+        tokens.append(rng.choice(allowed(row)))
+    return tokens
+
+
+def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None = None, drop_at: int = 12):
+    """The engine's order with async scheduling: masks for the step, its tokens sampled, read a step later, sent to
+    the mask processes, appended to the sequences."""
+    rng = random.Random(7)
+    seqs = new_sequences(grammars)
+    local = mirrors(grammars, seqs)
+    masker = TokenMasker(torch.device("cpu"), threads=1)
+    pids = []
+    for step in range(steps):
+        if step == drop_at:
+            seqs = seqs[1:]  # a sequence leaves: the next step assembles its rows
+        if step == kill_at:
+            pids = [w.process.pid for w in grammars.pool._workers]
+            os.kill(pids[0], signal.SIGKILL)
+            grammars.pool._workers[0].process.wait()
+        live = [seq for seq in seqs if not local[seq.request_id].is_stopped()]
+        if not live:
+            break
+        mask = masker.for_step(live)
+        tokens = DeferredTokens(torch.tensor(check_and_draw(live, mask.words, mask.rows, local, rng)), live)
+        masker.start_ahead(tokens)
+        tokens.mark_pending()
+        sampled = tokens.read()
+        masker.tokens_read(tokens)
+        for s in sampled:
+            s.seq.token_ids.append(s.token_id)
+            assert local[s.seq.request_id].consume_token(s.token_id)
+    masker.wait()
+    return masker, pids
+
+
+def test_masks_from_mask_processes_equal_each_matchers_own(grammars: GrammarCompiler) -> None:
+    masker, _ = run_async_steps(grammars, 25)
+    assert masker.rows > 100 and masker.rows_ahead > masker.rows // 2
+
+
+def test_a_killed_mask_process_is_started_again_and_its_sequences_caught_up(grammars: GrammarCompiler) -> None:
+    masker, pids = run_async_steps(grammars, 20, kill_at=8)
+    assert grammars.pool._workers[0].process.pid != pids[0]  # started again
+    assert grammars.pool._workers[1].process.pid == pids[1]
+    assert masker.rows_ahead > masker.rows // 2
+
+
+def test_masks_filled_when_the_step_needs_them_equal_each_matchers_own(grammars: GrammarCompiler) -> None:
+    """Synchronous scheduling: no round trip ahead, each step catches its matchers up and fills in one."""
+    rng = random.Random(3)
+    seqs = new_sequences(grammars)
+    local = mirrors(grammars, seqs)
+    masker = TokenMasker(torch.device("cpu"), threads=1)
+    for _ in range(15):
+        live = [seq for seq in seqs if not local[seq.request_id].is_stopped()]
+        mask = masker.for_step(live)
+        for seq, token in zip(live, check_and_draw(live, mask.words, mask.rows, local, rng)):
+            seq.token_ids.append(token)
+            assert local[seq.request_id].consume_token(token)
+    assert masker.rows_ahead == 0 and masker.rows > 100
+
+
+def test_finished_sequences_leave_their_mask_process(grammars: GrammarCompiler) -> None:
+    import gc
+
+    seqs = new_sequences(grammars)
+    masker = TokenMasker(torch.device("cpu"), threads=1)
+    masker.for_step(seqs)
+    workers = grammars.pool._workers
+    assert [w.live for w in workers] == [5, 5]  # spread evenly
+    del seqs
+    gc.collect()
+    assert [w.live for w in workers] == [0, 0] and [len(w.dropped) for w in workers] == [5, 5]
+    seqs = new_sequences(grammars)
+    masker.for_step(seqs)
+    assert [w.live for w in workers] == [5, 5] and [len(w.dropped) for w in workers] == [0, 0]  # sent with the step
