@@ -92,8 +92,9 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch finished before every request decoded")
     synchronize(llm.engine.device)
-    mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead = (
-        masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead)
+    mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
+        masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
+        masker.send_seconds, masker.collect_seconds)
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -106,7 +107,9 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
             "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
-            "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0}
+            "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_send_ms_per_step": (masker.send_seconds - send_seconds) / masked * 1e3 if masked else 0.0,
+            "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
         "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
         "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
+        "mask_send_ms_per_step": best["constrained"]["mask_send_ms_per_step"],
+        "mask_collect_ms_per_step": best["constrained"]["mask_collect_ms_per_step"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "runs": runs,

@@ -33,6 +33,10 @@ class DeferredTokens:
     def num_rows(self) -> int:
         return len(self.seqs)
 
+    def on_host(self) -> bool:
+        """Whether the values have reached the host (tolist() would not wait)."""
+        return self._ready is None or self._ready.query()
+
     def tolist(self) -> list[int]:
         if self._ready is not None:
             self._ready.synchronize()

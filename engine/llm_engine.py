@@ -237,13 +237,15 @@ class LLMEngine:
         """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
         if self.sleep_mode.level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
-        batch = self._schedule()
         previous = self.in_flight
+        if previous is not None and previous.on_host():
+            self.runner.token_masker.tokens_read(previous)  # mask processes fill the next masks while this schedules
+        batch = self._schedule()
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
             sampled = previous.read()
-            self.runner.token_masker.tokens_read(previous)  # mask processes fill the next masks from here on
+            self.runner.token_masker.tokens_read(previous)  # if they were not on the host before
             self._add_tokens(sampled)
         return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
 

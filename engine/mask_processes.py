@@ -71,7 +71,6 @@ class MaskProcesses:
             self._reply(worker)
         self._sent: list[int] = []  # workers a reply is awaited from
         self._sent_consume: list[list[SequenceGrammar]] = []
-        self._consume_order: list[SequenceGrammar] = []
 
     def buffer(self, half: int) -> torch.Tensor:
         """[rows, mask_words] int32 on the host, pinned for a CUDA device."""
@@ -97,10 +96,12 @@ class MaskProcesses:
         worker.live += 1
         worker.new.append((grammar.key, grammar_key, text))
         worker.grammars[grammar.key] = grammar
-        weakref.finalize(grammar, self._drop, index, grammar.key)
+        weakref.finalize(grammar, self._drop, index, grammar.key).atexit = False
 
     def _drop(self, index: int, key: int) -> None:
         with self._lock:
+            if index >= len(self._workers):  # closed
+                return
             worker = self._workers[index]
             worker.live -= 1
             worker.dropped.append(key)
@@ -110,7 +111,6 @@ class MaskProcesses:
         """Each worker's share of the work: its grammars consume their tokens (in order), then write their masks
         into buffer(half)[row]. Returns at once."""
         assert not self._sent, "receive() the last round trip first"
-        self._consume_order = [grammar for grammar, _ in consume]
         by_worker: dict[int, tuple[list, list, list]] = {}
         for grammar, tokens in consume:
             share = by_worker.setdefault(grammar.worker, ([], [], []))
@@ -130,14 +130,14 @@ class MaskProcesses:
             self._sent.append(index)
             self._sent_consume.append(grammars)
 
-    def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str | None]], set[int]]:
-        """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) per
-        consume item, in the order sent, and the workers that had died. Each of those is running again with none of
+    def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str]], set[int]]:
+        """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) for
+        each consume item with a token outside its grammar, and the workers that had died. Each of those is running again with none of
         its matchers: every grammar it held is reset (SequenceGrammar.reset), and its part of the round trip (masks
         and consume items) is missing."""
         sent, consumed = self._sent, self._sent_consume
         self._sent, self._sent_consume = [], []
-        by_grammar: dict[int, tuple[int, str | None]] = {}
+        refused: list[tuple[SequenceGrammar, int, str]] = []
         restarted: set[int] = set()
         for index, grammars in zip(sent, consumed):
             try:
@@ -146,10 +146,8 @@ class MaskProcesses:
                 self._restart(index)
                 restarted.add(index)
                 continue
-            by_grammar.update((id(g), reply) for g, reply in zip(grammars, replies))
-        results = [(g, *by_grammar[id(g)]) for g in self._consume_order if id(g) in by_grammar]
-        self._consume_order = []
-        return results, restarted
+            refused.extend((grammars[i], accepted, error) for i, accepted, error in replies)
+        return refused, restarted
 
     def _reply(self, worker: _Worker) -> list:
         status, value = worker.conn.recv()

@@ -19,7 +19,8 @@ from typing import Any
 #                   ("step", new, dropped, consume, fill, buffer)  new: [(key, grammar_key, grammar_text)],
 #                   dropped: [key], consume: [(key, [token, ...])], fill: [(key, row)], buffer: which half to fill
 #                   ("stop",)
-# worker -> parent: ("ok", [(tokens accepted, error or None) per consume item]) or ("error", traceback)
+# worker -> parent: ("ok", [(consume item, tokens it accepted, the error of the next)] for the items with a token
+#                   outside the grammar (none, usually)) or ("error", traceback)
 
 
 class Matchers:
@@ -60,10 +61,14 @@ class Matchers:
             self.matchers.pop(key, None)
         for key, grammar_key, text in new:
             self.add(key, grammar_key, text)
-        accepted = [self.consume(key, tokens) for key, tokens in consume]
+        refused = []
+        for i, (key, tokens) in enumerate(consume):
+            accepted, error = self.consume(key, tokens)
+            if error is not None:
+                refused.append((i, accepted, error))
         for key, row in fill:
             self.fill(key, row, buffer)
-        return accepted
+        return refused
 
 
 def serve(conn: Connection, buffer: mmap.mmap) -> None:

@@ -68,6 +68,11 @@ class _Ahead:
         return out
 
 
+def _tokens_before_pending(seq: Sequence) -> int:
+    """The sequence's output tokens known on the host, its placeholder for a token still being read left out."""
+    return seq.num_output_tokens - (seq.pending_row >= 0)
+
+
 class TokenMasker:
     def __init__(self, device: torch.device, threads: int | None = None) -> None:
         """`threads`: llguidance's pool size (mask_threads() when not given)."""
@@ -83,8 +88,11 @@ class TokenMasker:
         self._rows: torch.Tensor | None = None
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
         # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
-        # after each included), steps with masks, rows, rows the worker had ready
+        # after each included), steps with masks, rows, rows the worker had ready; with mask processes, the engine
+        # thread's seconds sending them the tokens and collecting the masks filled ahead (the wait included)
         self.seconds = 0.0
+        self.send_seconds = 0.0
+        self.collect_seconds = 0.0
         self.ahead_seconds = 0.0
         self.native_seconds = 0.0
         self.steps = 0
@@ -177,20 +185,21 @@ class TokenMasker:
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
     def tokens_read(self, pending: tuple[DeferredTokens, list] | DeferredTokens | None) -> None:
-        """The engine thread has read these tokens on the host: with mask processes, each matcher of the step
+        """These tokens are on the host (read, or their copy done): with mask processes, each matcher of the step
         consumes its token and fills the next step's mask there, while the engine thread goes on (for_step collects
         them). A sequence whose matcher is behind its tokens (its process was started again) is left to for_step."""
         to_send = self._to_send
         if to_send is None or pending is None or (pending is not to_send and pending is not to_send[0]):
             return
+        started = time.perf_counter()
         self._to_send = None
         tokens, items = to_send
         values = tokens.tolist()
-        live = [(tokens.seqs[row], grammar, values[row]) for row, ref in items
-                if (grammar := ref()) is not None and not grammar.new_tokens(tokens.seqs[row])]
+        seqs = tokens.seqs
+        live = [(seq, grammar, values[row]) for row, ref in items
+                if (grammar := ref()) is not None and grammar.num_consumed == _tokens_before_pending(seq := seqs[row])]
         if not live:
             return
-        started = time.perf_counter()
         pool = live[0][1].pool
         half, self._half = self._half, 1 - self._half
         for _, grammar, _ in live:
@@ -201,6 +210,7 @@ class TokenMasker:
                                            pool.buffer(half)[: len(live)]),
                               {id(g): (seq, token) for seq, g, token in live})
         self.seconds += time.perf_counter() - started
+        self.send_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
         """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
@@ -221,6 +231,7 @@ class TokenMasker:
                 seq, token = sent[id(grammar)]
                 grammar.refused(seq, token, error or "")
         self.seconds += time.perf_counter() - started
+        self.collect_seconds += time.perf_counter() - started
         return ahead
 
     def _assemble_in_processes(self, pool: MaskProcesses, seqs: list[Sequence],
