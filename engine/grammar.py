@@ -93,17 +93,6 @@ def mask_threads() -> int:
     return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 
 
-def mask_processes(setting: int | None, device: Any) -> int:
-    """EngineConfig.structured_output_processes in effect: when not set, none on a CPU device (the forward pass
-    needs the cores) and on machines of fewer than 8 cores, else a process per 4 cores, at most 4."""
-    if setting is not None:
-        return setting
-    cores = len(os.sched_getaffinity(0))
-    if getattr(device, "type", "cpu") != "cuda" or cores < 8:
-        return 0
-    return min(4, cores // 4)
-
-
 @dataclass
 class CompiledGrammar:
     """A constraint compiled for the tokenizer. An llguidance matcher's copies share its lexer (deep_copy copies

@@ -76,18 +76,22 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:  # the engine went away
+        except (EOFError, OSError):  # the engine went away
+            return
+        if message[0] == "stop":
             return
         try:
-            if message[0] == "stop":
-                return
             if message[0] == "init":
                 matchers = Matchers(*message[1:], buffer=buffer)
-                conn.send(("ok", []))
+                reply = ("ok", [])
             else:
-                conn.send(("ok", matchers.step(*message[1:])))
+                reply = ("ok", matchers.step(*message[1:]))
         except Exception:  # noqa: BLE001 - the parent raises it with the traceback, naming this process
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:  # the engine closed its end while this step ran
+            return
 
 
 def main(argv: list[str]) -> None:

@@ -34,7 +34,9 @@ def test_sampling_params_name_the_field(field, kwargs):
     [("block_size", dict(block_size=10)), ("max_num_seqs", dict(max_num_seqs=0)),
      ("gpu_memory_utilization", dict(gpu_memory_utilization=1.5)), ("dtype", dict(dtype="int3")),
      ("tp_greedy_on_shards", dict(tp_greedy_on_shards="no")), ("tp_fused_norm", dict(tp_fused_norm=0)),
-     ("int4_int8_activations", dict(int4_int8_activations=None))],
+     ("int4_int8_activations", dict(int4_int8_activations=None)),
+     ("structured_output_processes", dict(structured_output_processes=-1)),
+     ("structured_output_processes", dict(structured_output_processes="4"))],
 )
 def test_engine_config_names_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
