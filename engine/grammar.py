@@ -136,7 +136,7 @@ class SequenceGrammar:
         self.grammar_key = compiled.key if compiled is not None else ""
         self.text = compiled.text if compiled is not None else ""
         if pool is not None:
-            pool.assign(self, self.grammar_key, self.text)
+            pool.assign(self)
 
     def reset(self) -> None:
         """The matcher is back in its start state (its mask process was started again): every token is new."""

@@ -52,8 +52,6 @@ class MaskProcesses:
 
     def __init__(self, num_processes: int, ll_tokenizer_json: str, vocab_size: int, eos: list[int],
                  rows: int, mask_words: int, device: torch.device) -> None:
-        self.rows = rows
-        self.mask_words = mask_words
         self._init = ("init", ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows)
         nbytes = 2 * rows * mask_words * 4
         self._fd = os.memfd_create("tollgate-masks")
@@ -88,13 +86,14 @@ class MaskProcesses:
         conn.send(self._init)
         return _Worker(process, conn)
 
-    def assign(self, grammar: SequenceGrammar, grammar_key: str, text: str) -> None:
-        """Gives the sequence's grammar to the worker holding the fewest; its matcher is made with the next message."""
+    def assign(self, grammar: SequenceGrammar) -> None:
+        """Gives the sequence's grammar to the worker holding the fewest; its matcher is made with the next message
+        (from grammar.grammar_key and grammar.text)."""
         index = min(range(len(self._workers)), key=lambda i: self._workers[i].live)
         worker = self._workers[index]
         grammar.worker, grammar.key = index, next(self._keys)
         worker.live += 1
-        worker.new.append((grammar.key, grammar_key, text))
+        worker.new.append((grammar.key, grammar.grammar_key, grammar.text))
         worker.grammars[grammar.key] = grammar
         weakref.finalize(grammar, self._drop, index, grammar.key).atexit = False
 
@@ -132,9 +131,9 @@ class MaskProcesses:
 
     def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str]], set[int]]:
         """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) for
-        each consume item with a token outside its grammar, and the workers that had died. Each of those is running again with none of
-        its matchers: every grammar it held is reset (SequenceGrammar.reset), and its part of the round trip (masks
-        and consume items) is missing."""
+                each consume item with a token outside its grammar, and the workers that had died. Each of those is running
+        again with none of its matchers: every grammar it held is reset (SequenceGrammar.reset), and its part of the
+        round trip (masks and consume items) is missing."""
         sent, consumed = self._sent, self._sent_consume
         self._sent, self._sent_consume = [], []
         refused: list[tuple[SequenceGrammar, int, str]] = []

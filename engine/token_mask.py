@@ -110,7 +110,8 @@ class TokenMasker:
 
     def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
         """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
-        self.tokens_read(self._to_send)
+        if self._to_send is not None:  # tokens_read was not called: they are read by now
+            self._send_ahead()
         ahead = self._take_ahead()
         constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not constrained:
@@ -135,6 +136,15 @@ class TokenMasker:
     def _assemble(self, seqs: list[Sequence], ahead: _Ahead | None) -> tuple[torch.Tensor, int]:
         """The masks of seqs, in order: the worker's rows that are still current, the others filled now; and how
         many came from the worker."""
+        words, fresh = self._copy_current(seqs, ahead)
+        if fresh:
+            self._catch_up([seqs[i] for i in fresh])
+            self._fill(words, [(seqs[i].grammar.matcher, i) for i in fresh])
+        return words, len(seqs) - len(fresh)
+
+    def _copy_current(self, seqs: list[Sequence], ahead: _Ahead | None) -> tuple[torch.Tensor, list[int]]:
+        """A host buffer with a row per sequence, holding the rows filled ahead that are still the sequence's mask;
+        and the indices of the sequences whose row is still to fill."""
         words = self._new_words(len(seqs), seqs[0].grammar.mask_words)
         ready = ahead.rows_by_grammar() if ahead is not None else {}
         copied, copied_from, fresh = [], [], []
@@ -148,10 +158,7 @@ class TokenMasker:
                 fresh.append(i)
         if copied:
             words[copied] = ahead.words[copied_from]
-        if fresh:
-            self._catch_up([seqs[i] for i in fresh])
-            self._fill(words, [(seqs[i].grammar.matcher, i) for i in fresh])
-        return words, len(copied)
+        return words, fresh
 
     def _new_words(self, num_rows: int, mask_words: int) -> torch.Tensor:
         """A host buffer for masks: pinned for a CUDA device (the caching host allocator reuses a block only once
@@ -184,16 +191,19 @@ class TokenMasker:
         words = self._new_words(len(items), tokens.seqs[items[0][0]].grammar.mask_words)
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
-    def tokens_read(self, pending: tuple[DeferredTokens, list] | DeferredTokens | None) -> None:
+    def tokens_read(self, tokens: DeferredTokens) -> None:
         """These tokens are on the host (read, or their copy done): with mask processes, each matcher of the step
         consumes its token and fills the next step's mask there, while the engine thread goes on (for_step collects
-        them). A sequence whose matcher is behind its tokens (its process was started again) is left to for_step."""
-        to_send = self._to_send
-        if to_send is None or pending is None or (pending is not to_send and pending is not to_send[0]):
-            return
+        them). Only the first call for a step's tokens sends them."""
+        if self._to_send is not None and self._to_send[0] is tokens:
+            self._send_ahead()
+
+    def _send_ahead(self) -> None:
+        """Sends the tokens start_ahead kept to the mask processes. A sequence whose matcher is behind its tokens
+        (its process was started again) is left to for_step."""
         started = time.perf_counter()
+        tokens, items = self._to_send
         self._to_send = None
-        tokens, items = to_send
         values = tokens.tolist()
         seqs = tokens.seqs
         live = [(seq, grammar, values[row]) for row, ref in items
@@ -226,10 +236,9 @@ class TokenMasker:
         pool, ahead, sent = in_processes
         started = time.perf_counter()
         results, _restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
-        for grammar, accepted, error in results:
-            if accepted == 0 and id(grammar) in sent:
-                seq, token = sent[id(grammar)]
-                grammar.refused(seq, token, error or "")
+        for grammar, _accepted, error in results:  # each refused the one token it was sent
+            seq, token = sent[id(grammar)]
+            grammar.refused(seq, token, error or "")
         self.seconds += time.perf_counter() - started
         self.collect_seconds += time.perf_counter() - started
         return ahead
@@ -238,16 +247,7 @@ class TokenMasker:
                                ahead: _Ahead | None) -> tuple[torch.Tensor, int]:
         """As _assemble, with the matchers in mask processes: the rows filled ahead that are still current are
         copied, the others caught up and filled in one round trip (again if a process had to be started again)."""
-        words = self._new_words(len(seqs), seqs[0].grammar.mask_words)
-        ready = ahead.rows_by_grammar() if ahead is not None else {}
-        fresh = []
-        for i, seq in enumerate(seqs):
-            found = ready.get(id(seq.grammar))
-            if (found is not None and found[2] is seq.grammar and found[1] == seq.grammar.num_consumed
-                    and not seq.grammar.new_tokens(seq)):
-                words[i] = ahead.words[found[0]]
-            else:
-                fresh.append(i)
+        words, fresh = self._copy_current(seqs, ahead)
         num_ahead = len(seqs) - len(fresh)
         for _attempt in range(3):  # a process started again resets its matchers: they are caught up next time
             if not fresh:
