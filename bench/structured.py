@@ -13,13 +13,20 @@ their mean wall time. mask_ms_per_step is the engine thread's time per step on m
 included: what the masks add to a step), mask_worker_ms_per_step the worker thread's, which fills a step's masks
 while the engine thread launches it (engine/token_mask.py), mask_native_ms_per_step the time in llguidance's calls
 on either thread (taking the GIL back after each included). --lexers 1 puts every sequence of the schema on one
-lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode runs --repeats times, alternating; the best run of
-each is reported, and `ratio` is constrained / unconstrained."""
+lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode
+runs --repeats times, alternating; the best run of each is reported, and `ratio` is constrained / unconstrained;
+ratio_median_of_pairs is the median over the repeats of each constrained run over the unconstrained run just before
+it (steadier where the host's speed drifts between runs).
+--profile runs each mode once more under cProfile (not counted) and writes where the engine thread's time went."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import os
+import pstats
+import statistics
 import sys
 import time
 from typing import Any
@@ -28,6 +35,7 @@ import torch
 
 from bench.common import emit, log, random_workload, synchronize
 from engine import LLM, SamplingParams
+from engine.mask_processes import spin_seconds
 
 # documents far longer than a benchmark's output: records with integers, strings, enums, numbers and booleans
 SCHEMA: dict[str, Any] = {
@@ -61,8 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask-threads", type=int, help="llguidance's thread pool (default: 80%% of the usable cores)")
     p.add_argument("--mask-processes", type=int,
                    help="EngineConfig.structured_output_processes (default: the engine's choice for the machine)")
+    p.add_argument("--mask-spin", type=float, metavar="SECONDS",
+                   help="how long mask processes spin between steps (default: the engine's choice for the machine)")
     p.add_argument("--switch-interval", type=float, metavar="SECONDS",
                    help="sys.setswitchinterval for the run (the engine's own setting when not given)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile each mode's last run; the functions by own time go to DIR/<mode>.txt")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
@@ -79,8 +91,10 @@ def export_tokenizer(source: str, target: str) -> dict[str, Any]:
     return {"exported": source, "to": target, "vocab_size": tokenizer.vocab_size}
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> dict[str, float]:
-    """Adds the batch, steps until every request has its first token, then times the decode steps left."""
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str,
+             profile: str | None = None) -> dict[str, float]:
+    """Adds the batch, steps until every request has its first token, then times the decode steps left (under
+    cProfile when `profile` names a file for the report)."""
     engine, masker = llm.engine, llm.engine.runner.token_masker
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, params):
@@ -95,12 +109,22 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
+    profiler = cProfile.Profile() if profile else None
     steps, start = 0, time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     synchronize(llm.engine.device)
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        with open(profile, "w", encoding="utf-8") as f:
+            f.write(f"{steps} decode steps, {elapsed / steps * 1e3:.3f} ms a step under the profiler\n")
+            stats = pstats.Stats(profiler, stream=f)
+            stats.sort_stats("tottime").print_stats(60)
+            stats.sort_stats("cumulative").print_stats("engine/", 60)
     masker.wait()
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
@@ -110,6 +134,14 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0,
             "mask_send_ms_per_step": (masker.send_seconds - send_seconds) / masked * 1e3 if masked else 0.0,
             "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0}
+
+
+def mask_spin_s(llm: LLM) -> float | None:
+    """How long the mask processes spun between steps (None without them)."""
+    grammars = llm.engine.grammars
+    if not grammars.processes:
+        return None
+    return grammars.spin_s if grammars.spin_s is not None else spin_seconds(grammars.processes)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -131,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     masker = llm.engine.runner.token_masker
     masker.threads = args.mask_threads or masker.threads
     llm.engine.grammars.lexers = args.lexers or masker.threads
+    if args.mask_spin is not None:
+        llm.engine.grammars.spin_s = args.mask_spin  # read when the first structured request starts the processes
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
     work = random_workload(args.batch, args.prompt_len, args.prompt_len, args.output_len, args.output_len, seed=0,
                            max_token_id=min(10_000, vocab - 1))
@@ -153,6 +187,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
                                        f"{name}-{r}"))
             log(f"{name} run {r}: {runs[name][-1]}")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        for i, (name, params) in enumerate(modes.items()):
+            run_once(llm, shifted(work.prompts, len(modes) * args.repeats + i), params, f"{name}-profiled",
+                     os.path.join(args.profile, f"{name}.txt"))
     best = {name: min(results, key=lambda x: x["tpot_ms"]) for name, results in runs.items()}
     result = {
         "model": args.model, "tokenizer": args.tokenizer, "device": args.device,
@@ -162,13 +201,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tpot_ms_unconstrained": best["unconstrained"]["tpot_ms"],
         "tpot_ms_constrained": best["constrained"]["tpot_ms"],
         "ratio": best["constrained"]["tpot_ms"] / best["unconstrained"]["tpot_ms"],
+        "ratio_median_of_pairs": statistics.median(c["tpot_ms"] / u["tpot_ms"] for u, c in
+                                                   zip(runs["unconstrained"], runs["constrained"])),
         "mask_ms_per_step": best["constrained"]["mask_ms_per_step"],
         "mask_worker_ms_per_step": best["constrained"]["mask_worker_ms_per_step"],
         "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
         "mask_send_ms_per_step": best["constrained"]["mask_send_ms_per_step"],
         "mask_collect_ms_per_step": best["constrained"]["mask_collect_ms_per_step"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
-        "mask_processes": llm.engine.grammars.processes, "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
+        "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
+        "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }
     emit(result, args.out)

@@ -438,7 +438,9 @@ class SemanticCache:
         if entry is None:
             return None
         self._lru.pop(entry_id, None)
-        self._exact.pop((entry.tenant, entry.namespace, entry.prompt), None)
+        exact_key = (entry.tenant, entry.namespace, entry.prompt)
+        if self._exact.get(exact_key) == entry_id:  # a later entry for the same prompt (another process's) stays
+            del self._exact[exact_key]
         return entry
 
     def _remove(self, ids: list[int]) -> None:

@@ -63,8 +63,9 @@ class EngineConfig:
     int4_int8_activations: bool = True
     # Structured outputs: processes holding the sequences' grammar matchers, which fill each step's token masks
     # beside the engine thread (engine/mask_processes.py); 0 fills them in this process (a worker thread and
-    # llguidance's thread pool). 0 until the processes measure faster (docs/benchmarks/structured.md, 2026-12-05).
-    structured_output_processes: int = 0
+    # llguidance's thread pool). None: 4 on a CUDA device where each process has a core of its own to spin on between
+    # steps, else 0 (engine/mask_processes.py default_processes; docs/benchmarks/structured.md, 2026-12-06).
+    structured_output_processes: int | None = None
     # Where AsyncEngine (serving) runs the engine: "process" (its own, fed over a socket; vLLM v1's EngineCore),
     # "thread" (one in the serving process), "auto" (process on CUDA, thread on CPU). LLM (offline) ignores it.
     engine_core: str = "auto"
@@ -117,8 +118,10 @@ class EngineConfig:
         positive_int("max_num_batched_tokens")
         positive_int("num_kv_blocks", optional=True)
         positive_int("stream_interval")
-        check(_is_int(self.structured_output_processes) and 0 <= self.structured_output_processes <= 64,
-              "structured_output_processes", f"must be an integer in [0, 64], got {self.structured_output_processes!r}")
+        check(self.structured_output_processes is None
+              or (_is_int(self.structured_output_processes) and 0 <= self.structured_output_processes <= 64),
+              "structured_output_processes",
+              f"must be None or an integer in [0, 64], got {self.structured_output_processes!r}")
         check(_is_int(self.max_loras) and self.max_loras >= 0, "max_loras",
               f"must be an integer >= 0, got {self.max_loras!r}")
         check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= 256, "max_lora_rank",

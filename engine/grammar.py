@@ -174,14 +174,16 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int],
                  cache_size: int = CACHE_SIZE, lexers: int | None = None, processes: int = 0,
-                 max_rows: int = 256, device: Any = None) -> None:
+                 max_rows: int = 256, device: Any = None, spin_s: float | None = None) -> None:
         """`lexers`: per grammar, at most (mask_threads() when not given). `processes`: hold the matchers in that
         many mask processes (engine/mask_processes.py, started with the first structured request) whose buffer
-        has room for `max_rows` masks a step, pinned for a CUDA `device`; 0 keeps them in this process."""
+        has room for `max_rows` masks a step, pinned for a CUDA `device`, and which spin `spin_s` between steps
+        (the machine's choice when not given); 0 keeps them in this process."""
         self._tokenizer = tokenizer
         self.processes = processes
         self.max_rows = max_rows
         self.device = device
+        self.spin_s = spin_s
         self._pool: MaskProcesses | None = None
         self.lexers = lexers or mask_threads()
         self.vocab_size = vocab_size  # the model's logits rows: a mask covers them all (a tokenizer may have fewer)
@@ -259,7 +261,7 @@ class GrammarCompiler:
             hf.no_truncation()
             eos = [t for t in self._eos if t < self._tokenizer.vocab_size]
             self._pool = MaskProcesses(self.processes, hf.to_str(), self.vocab_size, eos, self.max_rows,
-                                       self.mask_words, self.device or torch.device("cpu"))
+                                       self.mask_words, self.device or torch.device("cpu"), self.spin_s)
         return self._pool
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from engine.deferred_tokens import DeferredTokens, drop_pending_token
 from engine.errors import PromptTooLongError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
+from engine.mask_processes import default_processes
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.workers import TensorParallelWorkers
 from engine.metrics import EngineMetrics
@@ -78,7 +79,9 @@ class LLMEngine:
         self.eos_token_ids = built.eos_token_ids
         self.runner = built.runner
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                        processes=config.structured_output_processes,
+                                        processes=(default_processes(self.device)
+                                                   if config.structured_output_processes is None
+                                                   else config.structured_output_processes),
                                         max_rows=config.max_num_seqs, device=self.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = self.runner.lora  # None unless config.max_loras > 0

@@ -2,17 +2,23 @@
 
 A thread of the engine's process that fills masks has to take the GIL back after each of llguidance's calls, and
 gets it only when the engine thread blocks (or after sys.getswitchinterval(), 5 ms): the fill ran after the engine
-thread's host work instead of beside it. Here the engine thread sends each process its sequences' new tokens as soon
-as it has read them (one message a process) and collects the masks when it samples, while the processes consume
-and fill in parallel with it and with each other. The masks land in one shared buffer, registered with CUDA so the
-copy to the device is asynchronous; it has two halves, filled in turn, so a step's fill never writes rows whose
-copy to the device may not have run yet.
+thread's host work instead of beside it. Here the engine thread hands each process its sequences' new tokens as soon
+as it has read them and collects the masks when it samples, while the processes consume and fill in parallel with
+it and with each other. The masks land in one shared buffer, registered with CUDA so the copy to the device is
+asynchronous; it has two halves, filled in turn, so a step's fill never writes rows whose copy to the device may not
+have run yet.
+
+Every system call on the engine thread lengthens the step, and waking a process that sleeps on a socket was the
+dearest of them: a steady step (the same sequences in the same rows) is handed over through shared memory alone,
+to processes that spin between steps while the machine has cores to spare (spin_s), and collected the same way;
+the socket carries what changes, refusals and errors (engine/mask_worker.py).
 
 A process that dies (killed, out of memory) is started again, and its sequences' matchers are rebuilt there from
 their tokens: TokenMasker catches them up like any sequence whose matcher is behind."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import mmap
@@ -21,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -28,63 +35,97 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.mask_worker import READ_MESSAGE, RUN_PLAN, STATUS_REPLY, Control, fence
+
 if TYPE_CHECKING:
     from engine.grammar import SequenceGrammar
 
 log = logging.getLogger(__name__)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mask_worker.py")
+DEFAULT_PROCESSES = 4  # on a CUDA device with the cores: the constrained step measured fastest with 4 (16-core host)
+SPIN_S = 0.05  # how long a worker spins after a step before it sleeps, where the machine has the cores
+LIVENESS_CHECK_S = 0.002  # while the engine thread waits for a worker, it looks this often whether it died
+
+
+def spin_seconds(num_processes: int) -> float:
+    """SPIN_S where every worker can have a core of its own beside the engine's threads, else 0 (they sleep on
+    their sockets between steps: on a small machine a spinning worker would take the engine thread's core)."""
+    return SPIN_S if len(os.sched_getaffinity(0)) >= 2 * num_processes + 2 else 0.0
+
+
+def default_processes(device: torch.device) -> int:
+    """EngineConfig.structured_output_processes when not set: DEFAULT_PROCESSES on a CUDA device where each can spin
+    on a core of its own (spin_seconds), else 0. Without spare cores, or on a CPU device (whose steps are long beside
+    the masks), the worker thread in the engine's process measured faster (docs/benchmarks/structured.md)."""
+    return DEFAULT_PROCESSES if device.type == "cuda" and spin_seconds(DEFAULT_PROCESSES) > 0 else 0
 
 
 @dataclass
 class _Worker:
     process: subprocess.Popen
     conn: Connection
+    control: Control
+    seq: int = 0  # the last step handed to it
+    messages: int = 0  # steps (and wake-ups) it was sent on its socket
     live: int = 0  # sequences it holds
     new: list[tuple[int, str, str]] = field(default_factory=list)  # sequences to add with the next message
     dropped: list[int] = field(default_factory=list)  # sequences to forget with the next message
+    plan: list[tuple[int, int]] | None = None  # (key, row) of its last plan: a step with the same one needs no message
     grammars: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # key -> grammar
 
 
 class MaskProcesses:
     """`num_processes` workers, each with the matchers of the sequences assign() gave it; masks are written to
-    buffer(half)[row]. send() and receive() make one round trip: at most one is under way at a time."""
+    buffer(half)[row]. A round trip (send_ahead() or send(), then receive()) is under way at most one at a time."""
 
     def __init__(self, num_processes: int, ll_tokenizer_json: str, vocab_size: int, eos: list[int],
-                 rows: int, mask_words: int, device: torch.device) -> None:
-        self._init = ("init", ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows)
-        nbytes = 2 * rows * mask_words * 4
+                 rows: int, mask_words: int, device: torch.device, spin_s: float | None = None) -> None:
+        """`spin_s`: how long the workers spin after a step before they sleep (spin_seconds() when not given)."""
+        masks_bytes = 2 * rows * mask_words * 4
+        tokens_offset = masks_bytes
+        control_offset = -(-(tokens_offset + 2 * rows * 4) // 128) * 128
+        nbytes = control_offset + num_processes * ctypes.sizeof(Control)
+        self._init = ("init", ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows, tokens_offset,
+                      control_offset, spin_seconds(num_processes) if spin_s is None else spin_s)
+        self._control_offset = control_offset
         self._fd = os.memfd_create("tollgate-masks")
         os.ftruncate(self._fd, nbytes)
         self._map = mmap.mmap(self._fd, nbytes)
-        self._words = torch.frombuffer(self._map, dtype=torch.int32).view(2, rows, mask_words)
+        self._words = torch.frombuffer(self._map, dtype=torch.int32, count=2 * rows * mask_words).view(
+            2, rows, mask_words)
+        self._tokens = torch.frombuffer(self._map, dtype=torch.int32, count=2 * rows, offset=tokens_offset).view(
+            2, rows)
         self._registered = False
         if device.type == "cuda":
-            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), nbytes, 0)
+            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), masks_bytes, 0)
             self._registered = True
         self._keys = itertools.count()
         self._lock = threading.Lock()  # drops may come from any thread (a sequence's last reference)
-        self._workers = [self._spawn() for _ in range(num_processes)]
+        self._workers = [self._spawn(i) for i in range(num_processes)]
         for worker in self._workers:  # each builds its view of the tokenizer (about a second), all at once
             self._reply(worker)
-        self._sent: list[int] = []  # workers a reply is awaited from
+        self._sent: list[tuple[int, int]] = []  # (worker, step) a reply is awaited from
         self._sent_consume: list[list[SequenceGrammar]] = []
 
     def buffer(self, half: int) -> torch.Tensor:
         """[rows, mask_words] int32 on the host, pinned for a CUDA device."""
         return self._words[half]
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self, index: int) -> _Worker:
         """A worker started and sent its set-up; its reply is still to be read. Its own session: a Ctrl-C meant for
         the engine does not reach it, and it exits when the engine's end of the socket closes."""
+        control_offset = self._control_offset + index * ctypes.sizeof(Control)
+        control = Control.from_buffer(self._map, control_offset)
+        ctypes.memset(ctypes.addressof(control), 0, ctypes.sizeof(Control))
         parent, child = socket.socketpair()
         process = subprocess.Popen([sys.executable, WORKER, str(child.fileno()), str(self._fd), str(len(self._map))],
                                    pass_fds=(child.fileno(), self._fd), stdin=subprocess.DEVNULL,
                                    start_new_session=True)
         child.close()
         conn = Connection(parent.detach())
-        conn.send(self._init)
-        return _Worker(process, conn)
+        conn.send(self._init[:7] + (control_offset,) + self._init[8:])
+        return _Worker(process, conn, control)
 
     def assign(self, grammar: SequenceGrammar) -> None:
         """Gives the sequence's grammar to the worker holding the fewest; its matcher is made with the next message
@@ -105,6 +146,52 @@ class MaskProcesses:
             worker.live -= 1
             worker.dropped.append(key)
 
+    def _changes(self, worker: _Worker) -> tuple[list, list[int]]:
+        with self._lock:
+            new, worker.new = worker.new, []
+            dropped, worker.dropped = worker.dropped, []
+        return new, dropped
+
+    def _hand_over(self, index: int, message: tuple | None, half: int) -> None:
+        """Step worker.seq + 1 to the worker: the message, or (None) its plan again on the half's tokens."""
+        worker = self._workers[index]
+        worker.seq += 1
+        control = worker.control
+        control.half = half
+        control.kind = RUN_PLAN if message is None else READ_MESSAGE
+        fence()  # the tokens, half and kind before seq
+        control.seq = worker.seq
+        fence()  # seq before sleeping is looked at: the worker sees the step, or this sees that it sleeps
+        if message is None and control.sleeping:
+            message = ("wake",)
+        elif message is not None:
+            message = (message[0], worker.seq) + message[1:]
+        if message is not None:
+            worker.messages += 1
+            try:
+                worker.conn.send(message)
+            except OSError:
+                pass  # a dead worker: receive() finds out and starts it again
+
+    def send_ahead(self, grammars: list[SequenceGrammar], tokens: list[int], half: int) -> None:
+        """grammars[i] consumes tokens[i], then writes its mask into buffer(half)[i]. Returns at once."""
+        assert not self._sent, "receive() the last round trip first"
+        self._tokens[half, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        plans: dict[int, tuple[list, list]] = {}
+        for row, grammar in enumerate(grammars):
+            plan = plans.setdefault(grammar.worker, ([], []))
+            plan[0].append((grammar.key, row))
+            plan[1].append(grammar)
+        for index, (plan, in_order) in plans.items():
+            worker = self._workers[index]
+            message = None
+            if worker.new or worker.dropped or plan != worker.plan:
+                message = ("plan", *self._changes(worker), plan, half)
+                worker.plan = plan
+            self._hand_over(index, message, half)
+            self._sent.append((index, worker.seq))
+            self._sent_consume.append(in_order)
+
     def send(self, consume: list[tuple[SequenceGrammar, list[int]]], fill: list[tuple[SequenceGrammar, int]],
              half: int) -> None:
         """Each worker's share of the work: its grammars consume their tokens (in order), then write their masks
@@ -119,34 +206,44 @@ class MaskProcesses:
             by_worker.setdefault(grammar.worker, ([], [], []))[1].append((grammar.key, row))
         for index, (consume_keys, fill_rows, grammars) in by_worker.items():
             worker = self._workers[index]
-            with self._lock:
-                new, worker.new = worker.new, []
-                dropped, worker.dropped = worker.dropped, []
-            try:
-                worker.conn.send(("step", new, dropped, consume_keys, fill_rows, half))
-            except OSError:
-                pass  # a dead worker: receive() finds out and starts it again
-            self._sent.append(index)
+            self._hand_over(index, ("step", *self._changes(worker), consume_keys, fill_rows, half), half)
+            self._sent.append((index, worker.seq))
             self._sent_consume.append(grammars)
 
     def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str]], set[int]]:
         """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) for
-                each consume item with a token outside its grammar, and the workers that had died. Each of those is running
+        each consume item with a token outside its grammar, and the workers that had died. Each of those is running
         again with none of its matchers: every grammar it held is reset (SequenceGrammar.reset), and its part of the
         round trip (masks and consume items) is missing."""
         sent, consumed = self._sent, self._sent_consume
         self._sent, self._sent_consume = [], []
         refused: list[tuple[SequenceGrammar, int, str]] = []
         restarted: set[int] = set()
-        for index, grammars in zip(sent, consumed):
+        for (index, seq), grammars in zip(sent, consumed):
+            worker = self._workers[index]
             try:
-                replies = self._reply(self._workers[index])
+                self._wait(worker, seq)
+                replies = self._reply(worker) if worker.control.status == STATUS_REPLY else []
             except (EOFError, OSError):
                 self._restart(index)
                 restarted.add(index)
                 continue
             refused.extend((grammars[i], accepted, error) for i, accepted, error in replies)
         return refused, restarted
+
+    @staticmethod
+    def _wait(worker: _Worker, seq: int) -> None:
+        """Returns once the worker has done step `seq`; EOFError if it died first."""
+        control = worker.control
+        if control.done == seq:
+            return
+        next_check = time.perf_counter() + LIVENESS_CHECK_S
+        while control.done != seq:
+            os.sched_yield()  # the workers may share this thread's cores
+            if time.perf_counter() > next_check:
+                if worker.process.poll() is not None:
+                    raise EOFError
+                next_check = time.perf_counter() + LIVENESS_CHECK_S
 
     def _reply(self, worker: _Worker) -> list:
         status, value = worker.conn.recv()
@@ -161,7 +258,7 @@ class MaskProcesses:
         old.conn.close()
         old.process.kill()
         old.process.wait()
-        worker = self._spawn()
+        worker = self._spawn(index)
         self._reply(worker)
         worker.live = old.live
         for key, grammar in list(old.grammars.items()):
@@ -171,11 +268,9 @@ class MaskProcesses:
         self._workers[index] = worker
 
     def close(self) -> None:
+        for index in range(len(self._workers)):
+            self._hand_over(index, ("stop",), 0)
         for worker in self._workers:
-            try:
-                worker.conn.send(("stop",))
-            except OSError:
-                pass
             worker.conn.close()
         for worker in self._workers:
             try:

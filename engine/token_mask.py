@@ -214,8 +214,7 @@ class TokenMasker:
         half, self._half = self._half, 1 - self._half
         for _, grammar, _ in live:
             grammar.num_consumed += 1
-        pool.send([(grammar, [token]) for _, grammar, token in live],
-                  [(grammar, i) for i, (_, grammar, _) in enumerate(live)], half)
+        pool.send_ahead([grammar for _, grammar, _ in live], [token for _, _, token in live], half)
         self._in_processes = (pool, _Ahead([weakref.ref(g) for _, g, _ in live], [g.num_consumed for _, g, _ in live],
                                            pool.buffer(half)[: len(live)]),
                               {id(g): (seq, token) for seq, g, token in live})

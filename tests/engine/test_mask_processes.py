@@ -19,11 +19,13 @@ from tests.engine.helpers import smollm2_tokenizer
 from tests.engine.test_token_mask import SPECS, allowed, new_sequences
 
 
-@pytest.fixture
-def grammars():
+@pytest.fixture(params=[0.0, 5.0], ids=["sleeping-workers", "spinning-workers"])
+def grammars(request):
+    """Workers that sleep on their sockets between steps (each step wakes them) or spin (a steady step reaches
+    them through shared memory alone)."""
     tokenizer = smollm2_tokenizer()
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=1, processes=2,
-                               max_rows=16)
+                               max_rows=16, spin_s=request.param)
     yield compiler
     compiler.close()
 
@@ -82,6 +84,11 @@ def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None =
 def test_masks_from_mask_processes_equal_each_matchers_own(grammars: GrammarCompiler) -> None:
     masker, _ = run_async_steps(grammars, 25)
     assert masker.rows > 100 and masker.rows_ahead > masker.rows // 2
+    messages = sum(w.messages for w in grammars.pool._workers)
+    if grammars.spin_s:  # only the steps where sequences came, left or moved rows sent one
+        assert messages <= 2 * 10
+    else:
+        assert messages >= 2 * 20
 
 
 def test_a_killed_mask_process_is_started_again_and_its_sequences_caught_up(grammars: GrammarCompiler) -> None:

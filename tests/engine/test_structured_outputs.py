@@ -294,11 +294,14 @@ def test_compiled_grammars_are_cached_by_hash(llm: LLM) -> None:
 
 
 @pytest.mark.gpu
-def test_masks_on_cuda_keep_every_document_valid(tmp_path) -> None:
+@pytest.mark.parametrize("processes", [0, 4], ids=["worker-thread", "mask-processes"])
+def test_masks_on_cuda_keep_every_document_valid(tmp_path, processes: int) -> None:
     """The Triton mask kernel, pinned copies and CUDA graphs, with async scheduling: random:llama-tiny with a
-    byte-level tokenizer (no package needed on the GPU machine) writes valid documents beside free requests."""
-    llm = LLM("random:llama-tiny", tokenizer=write_byte_level_tokenizer(tmp_path), device="cuda", max_model_len=512)
-    assert llm.engine.overlap
+    byte-level tokenizer (no package needed on the GPU machine) writes valid documents beside free requests, with
+    the matchers in the engine's process and in mask processes (their buffer registered with CUDA)."""
+    llm = LLM("random:llama-tiny", tokenizer=write_byte_level_tokenizer(tmp_path), device="cuda", max_model_len=512,
+              structured_output_processes=processes)
+    assert llm.engine.overlap and llm.engine.grammars.processes == processes
     params = [*(constrained(name, temperature=t, seed=i, max_tokens=300) for i, name in enumerate(SCHEMAS)
                 for t in (0, 0.9)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
     outs = llm.generate([PROMPT[: 2 + i % 6] for i in range(len(params))], params)
@@ -311,6 +314,7 @@ def test_masks_on_cuda_keep_every_document_valid(tmp_path) -> None:
     assert stopped >= len(SCHEMAS) and len(outs[-1].outputs[0].token_ids) == 50
     llm.engine.runner.token_masker.wait()
     assert llm.engine.grammars.num_live == 0 and llm.engine.runner.token_masker.rows_ahead > 0
+    llm.close()
 
 
 def test_tensor_parallel_greedy_steps_with_a_grammar_sample_the_full_logits(tiny) -> None:
