@@ -94,8 +94,8 @@ class MaskProcesses:
         self._map = mmap.mmap(self._fd, nbytes)
         self._words = torch.frombuffer(self._map, dtype=torch.int32, count=2 * rows * mask_words).view(
             2, rows, mask_words)
-        self._tokens = torch.frombuffer(self._map, dtype=torch.int32, count=2 * rows, offset=tokens_offset).view(
-            2, rows)
+        self._rows = rows
+        self._tokens = (ctypes.c_int32 * (2 * rows)).from_buffer(self._map, tokens_offset)  # [2, rows]
         self._registered = False
         if device.type == "cuda":
             torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), masks_bytes, 0)
@@ -176,7 +176,8 @@ class MaskProcesses:
     def send_ahead(self, grammars: list[SequenceGrammar], tokens: list[int], half: int) -> None:
         """grammars[i] consumes tokens[i], then writes its mask into buffer(half)[i]. Returns at once."""
         assert not self._sent, "receive() the last round trip first"
-        self._tokens[half, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        first = half * self._rows
+        self._tokens[first: first + len(tokens)] = tokens
         plans: dict[int, tuple[list, list]] = {}
         for row, grammar in enumerate(grammars):
             plan = plans.setdefault(grammar.worker, ([], []))

@@ -45,6 +45,14 @@ class TokenInfo:
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM's server) report for a token that cannot come: JSON has no -Infinity
+
+
+def _finite(logprob: float) -> float:
+    """A token a constraint rules out has logprob -inf, among a constrained request's top_logprobs."""
+    return max(logprob, MIN_LOGPROB)
+
+
 @dataclass
 class ChoiceDelta:
     index: int
@@ -267,7 +275,7 @@ class LocalEngineBackend:
         )
 
     def _token_info(self, lp: TokenLogprob) -> TokenInfo:
-        return TokenInfo(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
+        return TokenInfo(self._token(lp.token_id), _finite(lp.logprob), [(self._token(t), _finite(v)) for t, v in lp.top])
 
     def _token(self, token_id: int) -> str:
         text = self._token_cache.get(token_id)

@@ -96,6 +96,31 @@ def test_vllm_extra_parameters_on_chat_and_completions(client, extra, matches):
     assert text.choices[0].finish_reason == "stop" and matches(text.choices[0].text)
 
 
+def test_top_logprobs_of_a_constrained_request_name_the_tokens_it_rules_out_at_minus_9999(server, tenant_key):
+    """Once a choice's word is written only the end may come: the other top_logprobs had -inf, which JSON cannot carry
+    (a 500 before); they are reported at -9999.0 as OpenAI does, in the response and in the stream's chunks."""
+    review = [{"role": "user", "content": "Is the sea calm today?"}]
+    body = {"model": MODEL, "messages": review, "max_tokens": 5, "temperature": 1.0, "seed": 3, "logprobs": True,
+            "top_logprobs": 5, "structured_outputs": {"choice": ["calm", "rough"]}}
+    headers = {"Authorization": f"Bearer {tenant_key}"}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert whole.status_code == 200, whole.text
+    content = whole.json()["choices"][0]["logprobs"]["content"]
+    tops = [[t["logprob"] for t in step["top_logprobs"]] for step in content]
+    assert all(len(top) == 5 for top in tops) and all(step["logprob"] > -9999.0 for step in content)
+    assert tops[-1].count(-9999.0) == 4  # once the word is whole only its end may come
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=120)
+    assert streamed.status_code == 200 and "Infinity" not in streamed.text
+    chunks = [json.loads(line[6:], parse_constant=lambda c: pytest.fail(f"{c} in a chunk"))
+              for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks)
+    text = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=120, json={
+        "model": MODEL, "prompt": "The sea today is", "max_tokens": 5, "logprobs": 3,
+        "structured_outputs": {"choice": ["calm", "rough"]}})
+    assert text.status_code == 200 and -9999.0 in text.json()["choices"][0]["logprobs"]["top_logprobs"][-1].values()
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema",
