@@ -24,6 +24,7 @@ class Tokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     @classmethod
     def from_source(cls, path: str) -> Tokenizer | None:
@@ -62,6 +63,8 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it would make the decode of a sequence differ from the sum of its parts.
+        if self._backend_decode is not None:
+            return self._backend_decode(list(token_ids), skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=False)
 
@@ -88,6 +91,21 @@ class Tokenizer:
                                                 **extra)
         except Exception as e:  # jinja2 errors, including the template's own raise_exception(...)
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+
+def _backend_decode(hf_tokenizer: Any) -> Any:
+    """The Rust tokenizer's own decode where transformers' decode adds nothing to it (a fast tokenizer whose class
+    keeps the base _decode) but the conversions around it: the detokenizer calls it twice a token, and the wrapper
+    was most of a large batch's host time per step (docs/benchmarks/structured.md, 2026-12-06). None: use the
+    wrapper."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as base
+    except ImportError:  # transformers 4
+        from transformers import PreTrainedTokenizerFast as base
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(hf_tokenizer, base) or type(hf_tokenizer)._decode is not base._decode:
+        return None
+    return backend.decode
 
 
 @functools.lru_cache(maxsize=1)

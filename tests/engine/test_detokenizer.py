@@ -114,3 +114,23 @@ def test_each_step_decodes_a_small_window():
     pieces, detok = _stream(tok, ids, 1)
     assert "".join(pieces) == MIXED * 20
     assert longest <= 8
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_equals_transformers_decode_on_random_ids(make, skip):
+    """Tokenizer.decode calls the Rust tokenizer straight (engine/tokenizer.py _backend_decode): on random ids,
+    special tokens included, it gives what transformers' decode gives without its clean-up of spaces."""
+    import random
+
+    tok = make()
+    assert tok._backend_decode is not None
+    rng = random.Random(7)
+    specials = sorted(tok.hf.all_special_ids)
+    for length in (1, 2, 5, 17, 64):
+        for _ in range(20):
+            ids = [rng.choice(specials) if specials and rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+                   for _ in range(length)]
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), ids
