@@ -82,7 +82,7 @@ class TokenMasker:
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
         self._to_send: tuple[DeferredTokens, list] | None = None  # mask processes: tokens to send once read
-        self._in_processes: tuple[MaskProcesses, _Ahead, dict] | None = None  # their round trip under way
+        self._in_processes: tuple[MaskProcesses, _Ahead, list] | None = None  # their round trip under way
         self._half = 0  # the half of the processes' buffer the next round trip ahead fills
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
         self._rows: torch.Tensor | None = None
@@ -206,18 +206,18 @@ class TokenMasker:
         self._to_send = None
         values = tokens.tolist()
         seqs = tokens.seqs
-        live = [(seq, grammar, values[row]) for row, ref in items
+        live = [(seq, grammar, values[row], ref) for row, ref in items
                 if (grammar := ref()) is not None and grammar.num_consumed == _tokens_before_pending(seq := seqs[row])]
         if not live:
             return
         pool = live[0][1].pool
         half, self._half = self._half, 1 - self._half
-        for _, grammar, _ in live:
+        grammars = [grammar for _, grammar, _, _ in live]
+        for grammar in grammars:
             grammar.num_consumed += 1
-        pool.send_ahead([grammar for _, grammar, _ in live], [token for _, _, token in live], half)
-        self._in_processes = (pool, _Ahead([weakref.ref(g) for _, g, _ in live], [g.num_consumed for _, g, _ in live],
-                                           pool.buffer(half)[: len(live)]),
-                              {id(g): (seq, token) for seq, g, token in live})
+        pool.send_ahead(grammars, [token for _, _, token, _ in live], half)
+        self._in_processes = (pool, _Ahead([ref for *_, ref in live], [g.num_consumed for g in grammars],
+                                           pool.buffer(half)[: len(live)]), live)
         self.seconds += time.perf_counter() - started
         self.send_seconds += time.perf_counter() - started
 
@@ -232,12 +232,14 @@ class TokenMasker:
         in_processes, self._in_processes = self._in_processes, None
         if in_processes is None:
             return None
-        pool, ahead, sent = in_processes
+        pool, ahead, live = in_processes
         started = time.perf_counter()
         results, _restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
-        for grammar, _accepted, error in results:  # each refused the one token it was sent
-            seq, token = sent[id(grammar)]
-            grammar.refused(seq, token, error or "")
+        if results:
+            sent = {id(grammar): (seq, token) for seq, grammar, token, _ in live}
+            for grammar, _accepted, error in results:  # each refused the one token it was sent
+                seq, token = sent[id(grammar)]
+                grammar.refused(seq, token, error or "")
         self.seconds += time.perf_counter() - started
         self.collect_seconds += time.perf_counter() - started
         return ahead
