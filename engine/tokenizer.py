@@ -96,7 +96,7 @@ class Tokenizer:
 def _backend_decode(hf_tokenizer: Any) -> Any:
     """The Rust tokenizer's own decode where transformers' decode adds nothing to it (a fast tokenizer whose class
     keeps the base _decode) but the conversions around it: the detokenizer calls it twice a token, and the wrapper
-    was most of a large batch's host time per step (docs/benchmarks/structured.md, 2026-12-06). None: use the
+    was most of a large batch's host time per step (docs/benchmarks/engine.md, 2026-12-06). None: use the
     wrapper."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend as base

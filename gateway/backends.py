@@ -275,7 +275,8 @@ class LocalEngineBackend:
         )
 
     def _token_info(self, lp: TokenLogprob) -> TokenInfo:
-        return TokenInfo(self._token(lp.token_id), _finite(lp.logprob), [(self._token(t), _finite(v)) for t, v in lp.top])
+        return TokenInfo(self._token(lp.token_id), _finite(lp.logprob),
+                         [(self._token(t), _finite(v)) for t, v in lp.top])
 
     def _token(self, token_id: int) -> str:
         text = self._token_cache.get(token_id)
