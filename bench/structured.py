@@ -35,7 +35,6 @@ import torch
 
 from bench.common import emit, log, random_workload, synchronize
 from engine import LLM, SamplingParams
-from engine.mask_processes import spin_seconds
 
 # documents far longer than a benchmark's output: records with integers, strings, enums, numbers and booleans
 SCHEMA: dict[str, Any] = {
@@ -137,11 +136,9 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
 
 
 def mask_spin_s(llm: LLM) -> float | None:
-    """How long the mask processes spun between steps (None without them)."""
+    """How long the mask processes spun between steps (None without them; the constrained runs started them)."""
     grammars = llm.engine.grammars
-    if not grammars.processes:
-        return None
-    return grammars.spin_s if grammars.spin_s is not None else spin_seconds(grammars.processes)
+    return grammars.pool.spin_s if grammars.processes else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -86,8 +86,8 @@ class MaskProcesses:
         tokens_offset = masks_bytes
         control_offset = -(-(tokens_offset + 2 * rows * 4) // 128) * 128
         nbytes = control_offset + num_processes * ctypes.sizeof(Control)
-        self._init = ("init", ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows, tokens_offset,
-                      control_offset, spin_seconds(num_processes) if spin_s is None else spin_s)
+        self.spin_s = spin_seconds(num_processes) if spin_s is None else spin_s
+        self._setup = (ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows, tokens_offset)
         self._control_offset = control_offset
         self._fd = os.memfd_create("tollgate-masks")
         os.ftruncate(self._fd, nbytes)
@@ -124,7 +124,7 @@ class MaskProcesses:
                                    start_new_session=True)
         child.close()
         conn = Connection(parent.detach())
-        conn.send(self._init[:7] + (control_offset,) + self._init[8:])
+        conn.send(("init", *self._setup, control_offset, self.spin_s))
         return _Worker(process, conn, control)
 
     def assign(self, grammar: SequenceGrammar) -> None:

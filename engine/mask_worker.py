@@ -114,14 +114,7 @@ class Matchers:
     def run_plan(self, buffer: int) -> list:
         """The plan's step: each key consumes its row's token of the buffer's tokens, then fills its row."""
         tokens, first = self.tokens, buffer * self.rows_per_buffer
-        refused = []
-        for i, (key, row) in enumerate(self.plan):
-            accepted, error = self.consume(key, [tokens[first + row]])
-            if error is not None:
-                refused.append((i, accepted, error))
-        for key, row in self.plan:
-            self.fill(key, row, buffer)
-        return refused
+        return self.step([], [], [(key, [tokens[first + row]]) for key, row in self.plan], self.plan, buffer)
 
     def next_step(self, conn: Connection) -> tuple | None:
         """Waits for the next step: None to run the plan on control.half's tokens, else the step's message."""

