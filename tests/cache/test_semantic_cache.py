@@ -198,3 +198,27 @@ def test_a_prompt_longer_than_the_embedder_reads_is_served_only_word_for_word(ma
     cache.store(NS_A, first, "Le premier paragraphe...", USAGE)
     assert cache.lookup(NS_A, second) is None
     assert cache.lookup(NS_A, first).answer == "Le premier paragraphe..."
+
+
+def test_an_older_row_of_a_prompt_leaving_keeps_the_newer_one_served_without_embedding(embedder, verifier, clock,
+                                                                                     tmp_path):
+    """Two rows for one prompt (a database two gateway processes wrote): evicting the older must not drop the newer
+    one's word-for-word match, so the repeat is still served without the embedder."""
+    from cache.semantic_cache import DB_FILENAME, SemanticCache
+    from cache.store import EntryStore, StoredEntry
+
+    directory = tmp_path / "two-writers"
+    directory.mkdir()
+    vec = embedder.encode([QUESTION])[0]
+    store = EntryStore(directory / DB_FILENAME)
+    now = clock()
+    store.insert_many([StoredEntry(1, NS_A.tenant, NS_A.key, QUESTION, vec, "older", USAGE, now - 2, now - 2),
+                       StoredEntry(2, NS_A.tenant, NS_A.key, QUESTION, vec, "newer", USAGE, now - 1, now - 1)])
+    store.close()
+    counting = CountingEmbedder(embedder)
+    cache = SemanticCache(directory, embedder=counting, verifier=verifier, clock=clock, max_entries=2, explore=0.0)
+    cache.store(NS_A, "Where do penguins live?", "south")  # the least recently used row, the older, is evicted
+    assert len(cache) == 2 and counting.prompts == 1
+    hit = cache.lookup(NS_A, QUESTION)
+    assert (hit.entry_id, hit.answer) == (2, "newer") and counting.prompts == 1
+    cache.close()
