@@ -108,6 +108,9 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
+    steady_steps = masker.steps_steady
+    pool = engine.grammars.pool
+    times = dataclasses.replace(pool.times) if pool is not None else None
     profiler = cProfile.Profile() if profile else None
     steps, start = 0, time.perf_counter()
     if profiler is not None:
@@ -127,12 +130,27 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     masker.wait()
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
+            "steady_steps": (masker.steps_steady - steady_steps) / masked if masked else 0.0,
+            **process_times(pool, times),
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
             "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
             "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0,
             "mask_send_ms_per_step": (masker.send_seconds - send_seconds) / masked * 1e3 if masked else 0.0,
             "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0}
+
+
+def process_times(pool: Any, before: Any) -> dict[str, float]:
+    """The mask processes' times since `before` (engine/mask_processes.py RoundTripTimes), in ms: per process and
+    round trip, from the hand-over to a process starting and its work; per round trip, how long the engine thread
+    waited for the last one once it looked, and from its end until the engine thread went on."""
+    if pool is None or before is None or pool.times.rounds == before.rounds:
+        return {}
+    rounds = pool.times.rounds - before.rounds
+    per = {"start_lag": rounds * pool.num_processes, "work": rounds * pool.num_processes, "late": rounds,
+           "notice": rounds}
+    return {f"mask_process_{name}_ms": (getattr(pool.times, f"{name}_s") - getattr(before, f"{name}_s")) / n * 1e3
+            for name, n in per.items()}
 
 
 def mask_spin_s(llm: LLM) -> float | None:
@@ -205,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_native_ms_per_step": best["constrained"]["mask_native_ms_per_step"],
         "mask_send_ms_per_step": best["constrained"]["mask_send_ms_per_step"],
         "mask_collect_ms_per_step": best["constrained"]["mask_collect_ms_per_step"],
+        **{key: value for key, value in best["constrained"].items() if key.startswith("mask_process_")},
+        "steady_steps": best["constrained"]["steady_steps"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,

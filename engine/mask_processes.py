@@ -62,11 +62,34 @@ def default_processes(device: torch.device) -> int:
 
 
 @dataclass
+class RoundTripTimes:
+    """Totals over round trips, for benchmarks (seconds). Summed over the workers of each round: from the hand-over
+    to the worker starting the step, and the step's work. Once a round: how long after receive() began the last
+    worker was done (0 if before), and from then until receive() returned."""
+
+    rounds: int = 0
+    start_lag_s: float = 0.0
+    work_s: float = 0.0
+    late_s: float = 0.0
+    notice_s: float = 0.0
+
+    def add(self, handed_ns: int, started_ns: int, done_ns: int) -> None:
+        self.start_lag_s += max(0, started_ns - handed_ns) * 1e-9
+        self.work_s += (done_ns - started_ns) * 1e-9
+
+    def add_round(self, receive_ns: int, last_done_ns: int, returned_ns: int) -> None:
+        self.rounds += 1
+        self.late_s += max(0, last_done_ns - receive_ns) * 1e-9
+        self.notice_s += max(0, returned_ns - max(last_done_ns, receive_ns)) * 1e-9
+
+
+@dataclass
 class _Worker:
     process: subprocess.Popen
     conn: Connection
     control: Control
     seq: int = 0  # the last step handed to it
+    handed_ns: int = 0  # when (monotonic clock)
     messages: int = 0  # steps (and wake-ups) it was sent on its socket
     live: int = 0  # sequences it holds
     new: list[tuple[int, str, str]] = field(default_factory=list)  # sequences to add with the next message
@@ -106,7 +129,13 @@ class MaskProcesses:
         for worker in self._workers:  # each builds its view of the tokenizer (about a second), all at once
             self._reply(worker)
         self._sent: list[tuple[int, int]] = []  # (worker, step) a reply is awaited from
-        self._sent_consume: list[list[SequenceGrammar]] = []
+        self._sent_consume: list[list[int]] = []  # the keys of each one's consume items, in order
+        self._last_plans: list[tuple[int, list[int]]] = []  # send_ahead's workers and their plans' keys
+        self.times = RoundTripTimes()
+
+    @property
+    def num_processes(self) -> int:
+        return len(self._workers)
 
     def buffer(self, half: int) -> torch.Tensor:
         """[rows, mask_words] int32 on the host, pinned for a CUDA device."""
@@ -156,6 +185,7 @@ class MaskProcesses:
         """Step worker.seq + 1 to the worker: the message, or (None) its plan again on the half's tokens."""
         worker = self._workers[index]
         worker.seq += 1
+        worker.handed_ns = time.monotonic_ns()
         control = worker.control
         control.half = half
         control.kind = RUN_PLAN if message is None else READ_MESSAGE
@@ -182,8 +212,9 @@ class MaskProcesses:
         for row, grammar in enumerate(grammars):
             plan = plans.setdefault(grammar.worker, ([], []))
             plan[0].append((grammar.key, row))
-            plan[1].append(grammar)
-        for index, (plan, in_order) in plans.items():
+            plan[1].append(grammar.key)
+        self._last_plans = []
+        for index, (plan, keys) in plans.items():
             worker = self._workers[index]
             message = None
             if worker.new or worker.dropped or plan != worker.plan:
@@ -191,7 +222,25 @@ class MaskProcesses:
                 worker.plan = plan
             self._hand_over(index, message, half)
             self._sent.append((index, worker.seq))
-            self._sent_consume.append(in_order)
+            self._sent_consume.append(keys)
+            self._last_plans.append((index, keys))
+
+    def unchanged(self) -> bool:
+        """Whether no grammar of a worker in the last plans has gone since send_ahead: the plans still hold. (One
+        that came waits for the next message; a plan names only what it consumes.)"""
+        workers = self._workers
+        return bool(self._last_plans) and not any(workers[index].dropped for index, _ in self._last_plans)
+
+    def send_steady(self, tokens: list[int], half: int) -> None:
+        """send_ahead for the grammars of the last send_ahead in the same rows, while unchanged(): each worker runs
+        its plan again on these tokens (tokens[i] for row i), with no message. Returns at once."""
+        assert not self._sent and self._last_plans, "receive() the last round trip first, after a send_ahead"
+        first = half * self._rows
+        self._tokens[first: first + len(tokens)] = tokens
+        for index, keys in self._last_plans:
+            self._hand_over(index, None, half)
+            self._sent.append((index, self._workers[index].seq))
+            self._sent_consume.append(keys)
 
     def send(self, consume: list[tuple[SequenceGrammar, list[int]]], fill: list[tuple[SequenceGrammar, int]],
              half: int) -> None:
@@ -202,14 +251,15 @@ class MaskProcesses:
         for grammar, tokens in consume:
             share = by_worker.setdefault(grammar.worker, ([], [], []))
             share[0].append((grammar.key, tokens))
-            share[2].append(grammar)
+            share[2].append(grammar.key)
         for grammar, row in fill:
             by_worker.setdefault(grammar.worker, ([], [], []))[1].append((grammar.key, row))
-        for index, (consume_keys, fill_rows, grammars) in by_worker.items():
+        self._last_plans = []  # a steady step needs a send_ahead first
+        for index, (consume_items, fill_rows, keys) in by_worker.items():
             worker = self._workers[index]
-            self._hand_over(index, ("step", *self._changes(worker), consume_keys, fill_rows, half), half)
+            self._hand_over(index, ("step", *self._changes(worker), consume_items, fill_rows, half), half)
             self._sent.append((index, worker.seq))
-            self._sent_consume.append(grammars)
+            self._sent_consume.append(keys)
 
     def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str]], set[int]]:
         """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) for
@@ -220,7 +270,9 @@ class MaskProcesses:
         self._sent, self._sent_consume = [], []
         refused: list[tuple[SequenceGrammar, int, str]] = []
         restarted: set[int] = set()
-        for (index, seq), grammars in zip(sent, consumed):
+        receive_ns = last_done_ns = time.monotonic_ns()
+        times = self.times
+        for (index, seq), keys in zip(sent, consumed):
             worker = self._workers[index]
             try:
                 self._wait(worker, seq)
@@ -229,7 +281,15 @@ class MaskProcesses:
                 self._restart(index)
                 restarted.add(index)
                 continue
-            refused.extend((grammars[i], accepted, error) for i, accepted, error in replies)
+            done_ns = worker.control.done_ns
+            times.add(worker.handed_ns, worker.control.started_ns, done_ns)
+            last_done_ns = max(last_done_ns, done_ns)
+            for i, accepted, error in replies:
+                grammar = worker.grammars.get(keys[i])
+                if grammar is not None:  # else its sequence has finished meanwhile
+                    refused.append((grammar, accepted, error))
+        if sent:
+            times.add_round(receive_ns, last_done_ns, time.monotonic_ns())
         return refused, restarted
 
     @staticmethod
@@ -254,6 +314,7 @@ class MaskProcesses:
 
     def _restart(self, index: int) -> None:
         old = self._workers[index]
+        self._last_plans = []
         log.warning("structured-output mask process %d exited (%s); starting it again", old.process.pid,
                     old.process.poll())
         old.conn.close()

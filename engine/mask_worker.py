@@ -46,7 +46,8 @@ class Control(ctypes.Structure):
     _fields_ = [("seq", ctypes.c_uint64), ("half", ctypes.c_uint32), ("kind", ctypes.c_uint32),
                 ("_engine_pad", ctypes.c_char * 48),
                 ("done", ctypes.c_uint64), ("status", ctypes.c_uint32), ("sleeping", ctypes.c_uint32),
-                ("_worker_pad", ctypes.c_char * 48)]
+                ("started_ns", ctypes.c_uint64), ("done_ns", ctypes.c_uint64),  # the last step's, monotonic clock
+                ("_worker_pad", ctypes.c_char * 32)]
 
 
 _FENCE = threading.Lock()
@@ -157,6 +158,7 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
             return
         if message is not None and message[0] == "stop":
             return
+        control.started_ns = time.monotonic_ns()
         try:
             if message is None:
                 seq, refused = control.seq, matchers.run_plan(control.half)
@@ -177,6 +179,7 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
         except OSError:  # the engine closed its end while this step ran
             return
         control.status = STATUS_OK if reply is None else STATUS_REPLY
+        control.done_ns = time.monotonic_ns()
         fence()  # the masks and the status before done
         control.done = seq
 

@@ -18,11 +18,12 @@ them, filling the masks): each time it takes the GIL back it may wait for the en
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from collections.abc import Sequence as SequenceOf
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +69,27 @@ class _Ahead:
         return out
 
 
+@dataclass
+class _Steady:
+    """The last hand-over to the mask processes, where it sent every constrained row of its step: `seqs` is that
+    step's batch (held weakly: a finished batch is not kept alive), `rows` its constrained rows (row i of the
+    processes' buffer is seqs[rows[i]]'s mask). While the next batches are the same sequences in the same rows,
+    their masks all served from the round trip before and no grammar gone (MaskProcesses.unchanged), each step's
+    masks and hand-over need no work per sequence: every constrained sequence has read exactly one token since, and
+    its grammar is the one the processes' plans hold."""
+
+    pool: MaskProcesses
+    seqs: list[weakref.ref[Sequence]]
+    rows: list[int]
+    ahead: _Ahead
+    served: bool = False  # for_step took `ahead` for the same batch: the next hand-over may be steady
+    device_rows: torch.Tensor | None = None
+    words: dict[int, torch.Tensor] = field(default_factory=dict)  # the buffer's halves, cut to len(rows)
+
+    def same_batch(self, seqs: SequenceOf[Sequence]) -> bool:
+        return len(seqs) == len(self.seqs) and all(map(operator.is_, seqs, map(weakref.ref.__call__, self.seqs)))
+
+
 def _tokens_before_pending(seq: Sequence) -> int:
     """The sequence's output tokens known on the host, its placeholder for a token still being read left out."""
     return seq.num_output_tokens - (seq.pending_row >= 0)
@@ -81,8 +103,11 @@ class TokenMasker:
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
         self._ahead: Future[_Ahead] | None = None
-        self._to_send: tuple[DeferredTokens, list] | None = None  # mask processes: tokens to send once read
-        self._in_processes: tuple[MaskProcesses, _Ahead, list] | None = None  # their round trip under way
+        self._to_send: DeferredTokens | None = None  # mask processes: tokens to send once read
+        # their round trip under way: the pool, the masks it fills, and (step's batch, rows sent, tokens) to name
+        # the sequence and token of a refusal
+        self._in_processes: tuple[MaskProcesses, _Ahead, tuple[list[Sequence], list[int], list[int]]] | None = None
+        self._steady: _Steady | None = None
         self._half = 0  # the half of the processes' buffer the next round trip ahead fills
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
         self._rows: torch.Tensor | None = None
@@ -98,6 +123,7 @@ class TokenMasker:
         self.steps = 0
         self.rows = 0
         self.rows_ahead = 0
+        self.steps_steady = 0  # steps whose masks and hand-over took the steady path (_Steady)
 
     @property
     def executor(self):
@@ -112,7 +138,16 @@ class TokenMasker:
         """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
         if self._to_send is not None:  # tokens_read was not called: they are read by now
             self._send_ahead()
-        ahead = self._take_ahead()
+        steady = self._steady
+        if (steady is not None and self._in_processes is not None and self._in_processes[1] is steady.ahead
+                and steady.same_batch(seqs) and steady.pool.unchanged()):
+            bitmask = self._serve_steady(steady)
+            if bitmask is not None:
+                return bitmask
+            ahead = steady.ahead  # collected, with a refusal or a process started again: checked row by row
+        else:
+            ahead = self._take_ahead()
+        self._steady = None
         constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not constrained:
             return None
@@ -131,6 +166,24 @@ class TokenMasker:
         self.steps += 1
         self.rows += len(constrained)
         self.rows_ahead += num_ahead
+        return bitmask
+
+    def _serve_steady(self, steady: _Steady) -> TokenBitmask | None:
+        """The steady step's masks: the round trip's buffer as it is (None if it booked a refusal or a process had
+        to be started again)."""
+        self._collect()
+        if self._steady is not steady:
+            return None
+        started = time.perf_counter()
+        if steady.device_rows is None:
+            steady.device_rows = self._device_rows(tuple(steady.rows))
+        bitmask = TokenBitmask(steady.device_rows, steady.ahead.words.to(self.device, non_blocking=True))
+        steady.served = True
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        self.steps_steady += 1
+        self.rows += len(steady.rows)
+        self.rows_ahead += len(steady.rows)
         return bitmask
 
     def _assemble(self, seqs: list[Sequence], ahead: _Ahead | None) -> tuple[torch.Tensor, int]:
@@ -180,46 +233,82 @@ class TokenMasker:
         worker thread, as soon as the tokens reach the host. The worker holds the matchers weakly until it runs: a
         sequence aborted or finished meanwhile lets its matcher go. With mask processes the engine thread sends the
         tokens to them once it has read them (tokens_read)."""
+        first = next((seq.grammar for seq in tokens.seqs if seq.grammar is not None), None)
+        if first is None:
+            return
+        if first.pool is not None:
+            self._to_send = tokens
+            return
         items = [(row, weakref.ref(seq.grammar)) for row, seq in enumerate(tokens.seqs) if seq.grammar is not None]
-        if not items:
-            return
-        if tokens.seqs[items[0][0]].grammar.pool is not None:
-            self._to_send = (tokens, items)
-            return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
-        words = self._new_words(len(items), tokens.seqs[items[0][0]].grammar.mask_words)
+        words = self._new_words(len(items), first.mask_words)
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
     def tokens_read(self, tokens: DeferredTokens) -> None:
         """These tokens are on the host (read, or their copy done): with mask processes, each matcher of the step
         consumes its token and fills the next step's mask there, while the engine thread goes on (for_step collects
         them). Only the first call for a step's tokens sends them."""
-        if self._to_send is not None and self._to_send[0] is tokens:
+        if self._to_send is tokens:
             self._send_ahead()
 
     def _send_ahead(self) -> None:
         """Sends the tokens start_ahead kept to the mask processes. A sequence whose matcher is behind its tokens
         (its process was started again) is left to for_step."""
         started = time.perf_counter()
-        tokens, items = self._to_send
-        self._to_send = None
+        tokens, self._to_send = self._to_send, None
         values = tokens.tolist()
+        steady = self._steady
+        if not (steady is not None and steady.served and steady.pool.unchanged() and steady.same_batch(tokens.seqs)
+                and self._send_steady(steady, tokens.seqs, values)):
+            self._send_planned(tokens, values)
+        self.seconds += time.perf_counter() - started
+        self.send_seconds += time.perf_counter() - started
+
+    def _send_steady(self, steady: _Steady, seqs: list[Sequence], values: list[int]) -> bool:
+        """The hand-over of a steady step: the processes run their plans on the new tokens. False (nothing sent)
+        if a grammar went meanwhile."""
+        grammars = [ref() for ref in steady.ahead.grammars]
+        if None in grammars:
+            return False
+        for grammar in grammars:
+            grammar.num_consumed += 1
+        half, self._half = self._half, 1 - self._half
+        steady.pool.send_steady([values[row] for row in steady.rows], half)
+        words = steady.words.get(half)
+        if words is None:
+            words = steady.words[half] = steady.pool.buffer(half)[: len(steady.rows)]
+        steady.ahead = _Ahead(steady.ahead.grammars, [g.num_consumed for g in grammars], words)
+        steady.served = False
+        self._in_processes = (steady.pool, steady.ahead, (seqs, steady.rows, values))
+        return True
+
+    def _send_planned(self, tokens: DeferredTokens, values: list[int]) -> None:
+        """The hand-over of any step: each sequence whose matcher has read all but this token is sent it, in new
+        plans where the sequences or their rows changed. Sets the steady state where every constrained row went."""
+        self._steady = None
         seqs = tokens.seqs
-        live = [(seq, grammar, values[row], ref) for row, ref in items
-                if (grammar := ref()) is not None and grammar.num_consumed == _tokens_before_pending(seq := seqs[row])]
+        live, constrained = [], 0
+        for row, seq in enumerate(seqs):
+            grammar = seq.grammar
+            if grammar is not None:
+                constrained += 1
+                if grammar.num_consumed == _tokens_before_pending(seq):
+                    live.append((row, grammar))
         if not live:
             return
         pool = live[0][1].pool
         half, self._half = self._half, 1 - self._half
-        grammars = [grammar for _, grammar, _, _ in live]
+        grammars = [grammar for _, grammar in live]
         for grammar in grammars:
             grammar.num_consumed += 1
-        pool.send_ahead(grammars, [token for _, _, token, _ in live], half)
-        self._in_processes = (pool, _Ahead([ref for *_, ref in live], [g.num_consumed for g in grammars],
-                                           pool.buffer(half)[: len(live)]), live)
-        self.seconds += time.perf_counter() - started
-        self.send_seconds += time.perf_counter() - started
+        rows = [row for row, _ in live]
+        pool.send_ahead(grammars, [values[row] for row in rows], half)
+        ahead = _Ahead([weakref.ref(g) for g in grammars], [g.num_consumed for g in grammars],
+                       pool.buffer(half)[: len(live)])
+        self._in_processes = (pool, ahead, (seqs, rows, values))
+        if len(live) == constrained:
+            self._steady = _Steady(pool, [weakref.ref(seq) for seq in seqs], rows, ahead)
 
     def wait(self) -> None:
         """Returns once the worker has no job (a finished batch's last job holds its matchers while it runs)."""
@@ -232,14 +321,17 @@ class TokenMasker:
         in_processes, self._in_processes = self._in_processes, None
         if in_processes is None:
             return None
-        pool, ahead, live = in_processes
+        pool, ahead, (seqs, rows, values) = in_processes
         started = time.perf_counter()
-        results, _restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
+        results, restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
+        if results or restarted:
+            self._steady = None
         if results:
-            sent = {id(grammar): (seq, token) for seq, grammar, token, _ in live}
+            sent = {id(seq.grammar): (seq, values[row]) for row in rows if (seq := seqs[row]).grammar is not None}
             for grammar, _accepted, error in results:  # each refused the one token it was sent
-                seq, token = sent[id(grammar)]
-                grammar.refused(seq, token, error or "")
+                if id(grammar) in sent:  # else its sequence has finished meanwhile
+                    seq, token = sent[id(grammar)]
+                    grammar.refused(seq, token, error or "")
         self.seconds += time.perf_counter() - started
         self.collect_seconds += time.perf_counter() - started
         return ahead

