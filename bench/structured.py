@@ -108,7 +108,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
-    steady_steps = masker.steps_steady
+    steady_steps, early = masker.steps_steady, masker.hand_overs_before_schedule
     pool = engine.grammars.pool
     times = dataclasses.replace(pool.times) if pool is not None else None
     profiler = cProfile.Profile() if profile else None
@@ -131,6 +131,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
             "steady_steps": (masker.steps_steady - steady_steps) / masked if masked else 0.0,
+            "hand_overs_before_schedule": (masker.hand_overs_before_schedule - early) / masked if masked else 0.0,
             **process_times(pool, times),
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_collect_ms_per_step": best["constrained"]["mask_collect_ms_per_step"],
         **{key: value for key, value in best["constrained"].items() if key.startswith("mask_process_")},
         "steady_steps": best["constrained"]["steady_steps"],
+        "hand_overs_before_schedule": best["constrained"]["hand_overs_before_schedule"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,

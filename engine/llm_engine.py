@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence as SequenceOf
-from typing import TypeVar
+from collections.abc import Sequence as SequenceOf
 
 import torch
 
@@ -33,7 +32,6 @@ from engine.sequence import SampledToken, Sequence
 from engine.tokenizer import encode_prompt
 from engine.spec_decode.speculator import make_speculator
 
-_Collected = TypeVar("_Collected", RequestOutput, Delta)
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,37 +224,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, process the outputs; returns the requests with new output. With async scheduling the step
         is launched before the tokens of the step before it are read, and its own are read by the next step."""
-        return self._step(self.output_processor.outputs)
+        deferred = self._advance()
+        outputs = self.output_processor.outputs()  # before the in-flight step's placeholders are appended
+        self._finish_step(deferred)
+        return outputs
 
     def step_deltas(self) -> list[Delta]:
         """A step as step() runs it; returns what each request with new tokens added (the serving path)."""
-        return self._step(self.output_processor.deltas)
-
-    def _step(self, collect: Callable[[], list[_Collected]]) -> list[_Collected]:
-        """collect() runs before the in-flight step's placeholders are appended. Where this step's tokens are read
-        only next step, it runs before they are sampled: the host's output work then overlaps the mask processes
-        filling this step's masks (engine/token_mask.py), which the sampler waits for."""
-        batch, launched = self._advance()
-        if launched is not None and launched.read_next_step:
-            collected = collect()
-            deferred = self._sample(batch, launched)
-        else:
-            deferred = self._sample(batch, launched)
-            collected = collect()
+        deferred = self._advance()
+        deltas = self.output_processor.deltas()
         self._finish_step(deferred)
-        return collected
+        return deltas
 
-    def _sample(self, batch: ScheduledBatch, launched: LaunchedStep | None) -> DeferredTokens | None:
-        """Samples the launched step; returns its tokens when they are read next step (the others are added)."""
-        return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
-
-    def _advance(self) -> tuple[ScheduledBatch, LaunchedStep | None]:
-        """Schedule, launch, take the tokens now known; returns the batch and its launched step (None if empty)."""
+    def _advance(self) -> DeferredTokens | None:
+        """Schedule, launch, take the tokens now known; returns this step's tokens when they are read next step."""
         if self.sleep_mode.level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
         previous = self.in_flight
         if previous is not None and previous.on_host():
-            self.runner.token_masker.tokens_read(previous)  # mask processes fill the next masks while this schedules
+            self.runner.token_masker.tokens_read(previous, before_schedule=True)  # filled while this schedules
         batch = self._schedule()
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
@@ -264,7 +250,7 @@ class LLMEngine:
             sampled = previous.read()
             self.runner.token_masker.tokens_read(previous)  # if they were not on the host before
             self._add_tokens(sampled)
-        return batch, launched
+        return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
 
     def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:

@@ -56,11 +56,6 @@ class LaunchedStep:
     logits: torch.Tensor | None = None  # as forward_logits returns them; None on the greedy-on-shards path
     tokens: DeferredTokens | None = None  # the greedy-on-shards path's
 
-    @property
-    def read_next_step(self) -> bool:
-        """Whether its tokens reach the host's sequences only next step (sampling adds none to them now)."""
-        return self.path in (TokenPath.DEFERRED, TokenPath.GREEDY_ON_SHARDS)
-
 
 class ModelRunner:
     def __init__(
