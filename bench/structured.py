@@ -16,7 +16,11 @@ on either thread (taking the GIL back after each included). --lexers 1 puts ever
 lexer, whose lock fills their masks one at a time (the engine before it spread them, engine/grammar.py). Each mode
 runs --repeats times, alternating; the best run of each is reported, and `ratio` is constrained / unconstrained;
 ratio_median_of_pairs is the median over the repeats of each constrained run over the unconstrained run just before
-it (steadier where the host's speed drifts between runs).
+it (steadier where the host's speed drifts between runs). With mask processes: mask_process_work_ms is a process's
+work a step, mask_process_start_lag_ms the time from the hand-over to its start, mask_process_late_ms how long the
+engine thread waited for the last one, steady_steps the share of steps handed over with no per-sequence work
+(engine/token_mask.py _Steady), hand_overs_before_schedule the share whose tokens were on the host before the next
+step was scheduled.
 --profile runs each mode once more under cProfile (not counted) and writes where the engine thread's time went."""
 
 from __future__ import annotations
