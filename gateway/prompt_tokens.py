@@ -1,9 +1,12 @@
 """A prompt's token count for admission, as the model's engine will count it: the chat template rendered (with the
 tools, as engine/tokenizer.py renders them) and tokenized by the model's own tokenizer. Budgets and tpm then hold
-the prompt's real tokens, not the UTF-8 byte bound, so a budget admits the requests it fits.
+the prompt's real tokens, not the UTF-8 byte bound, so a budget admits the requests it fits. And the engine's own
+checks of the token ids a request names (a token-id prompt, logit_bias, stop_token_ids) against the model's
+vocabulary, made before the model is called: a bad id is a 400 that never wakes a model scaled to zero.
 
-The tokenizer is loaded once per model source, lazily, in a worker thread; a source whose tokenizer this process
-cannot load (`random:` weights, a path only the model's nodes have) counts None, and admission keeps the byte bound."""
+The tokenizer and the model's config are read once per model source, lazily, in a worker thread; a source whose
+tokenizer this process cannot load (`random:` weights, a path only the model's nodes have) counts None, and
+admission keeps the byte bound; one whose config it cannot read leaves the token ids to the engine."""
 
 from __future__ import annotations
 
@@ -11,17 +14,18 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import TOKENIZE_IN_THREAD_CHARS
-from engine.loader import load_tokenizer
+from engine.loader import load_tokenizer, read_model_config
 from engine.tokenizer import Tokenizer, encode_prompt
 from gateway.backends import GenerationRequest
 from gateway.specs import ModelSpec
 
 log = logging.getLogger("tollgate.gateway")
 
-# token ids are not checked against a vocabulary here: the engine refuses bad ones before anything runs
+# counting reads no token id against a vocabulary (check_token_ids does that)
 _ANY_VOCAB = 1 << 62
 
 
@@ -29,6 +33,20 @@ class PromptTokenCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokenizers: dict[tuple[str, str | None], concurrent.futures.Future[Tokenizer | None]] = {}
+        self._vocab_rows: dict[str, concurrent.futures.Future[int | None]] = {}
+
+    async def check_token_ids(self, spec: ModelSpec | None, request: GenerationRequest) -> None:
+        """A ValueError naming the field, as the engine would raise it, when a token id the request names is outside
+        the model's vocabulary (its embedding rows); nothing is read for a request that names none."""
+        params = request.params
+        if spec is None or not (isinstance(request.prompt, list) or params.logit_bias or params.stop_token_ids):
+            return
+        rows = await self._loaded(self._vocab_rows, spec.source, _read_vocab_rows)
+        if rows is None:
+            return
+        params.check_vocab(rows)
+        if isinstance(request.prompt, list):
+            encode_prompt(None, rows, request.prompt)
 
     async def count(self, spec: ModelSpec | None, request: GenerationRequest) -> int | None:
         """The prompt's tokens; None where the model's tokenizer cannot be had here. A ValueError naming the field
@@ -54,21 +72,40 @@ class PromptTokenCounter:
     async def _tokenizer(self, spec: ModelSpec) -> Tokenizer | None:
         tokenizer_source = spec.engine.get("tokenizer")
         key = (spec.source, tokenizer_source if isinstance(tokenizer_source, str) else None)
+        return await self._loaded(self._tokenizers, key, _load_tokenizer)
+
+    async def _loaded(self, cache: dict[Any, concurrent.futures.Future], key: Any, load: Callable[[Any], Any]) -> Any:
+        """load(key), run once per key in a thread of its own; None where it failed."""
         with self._lock:
-            loading = self._tokenizers.get(key)
+            loading = cache.get(key)
             if loading is None:
-                loading = concurrent.futures.Future()
-                self._tokenizers[key] = loading
-                threading.Thread(target=_load, args=(key, loading), daemon=True, name="tokenizer-load").start()
+                loading = cache[key] = concurrent.futures.Future()
+                threading.Thread(target=_run_into, args=(load, key, loading), daemon=True,
+                                 name="model-facts-load").start()
         return await asyncio.wrap_future(loading)
 
 
-def _load(key: tuple[str, str | None], into: concurrent.futures.Future[Tokenizer | None]) -> None:
+def _run_into(load: Callable[[Any], Any], key: Any, into: concurrent.futures.Future) -> None:
     try:
-        into.set_result(load_tokenizer(*key))
-    except Exception as e:  # admission keeps the byte bound for this model
-        log.warning("cannot load the tokenizer of %s here (%s): budgets hold its prompts' UTF-8 bytes", key[0], e)
+        into.set_result(load(key))
+    except Exception as e:  # noqa: BLE001 - the caller falls back (byte bound; the engine's own checks)
+        log.warning("%s", e)
         into.set_result(None)
+
+
+def _load_tokenizer(key: tuple[str, str | None]) -> Tokenizer | None:
+    try:
+        return load_tokenizer(*key)
+    except Exception as e:
+        raise RuntimeError(f"cannot load the tokenizer of {key[0]} here ({e}): budgets hold its prompts' UTF-8 "
+                           "bytes") from e
+
+
+def _read_vocab_rows(source: str) -> int:
+    try:
+        return read_model_config(source).vocab_size
+    except Exception as e:
+        raise RuntimeError(f"cannot read the config of {source} here ({e}): the engine checks its token ids") from e
 
 
 def _chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

@@ -228,6 +228,10 @@ async def _run(gw: Gateway, p: Principal, body: ChatCompletionRequest | Completi
         # too long by its length alone: refused before it is tokenized or anything is reserved
         refuse_overlong(model, backend.info(), **(prompt_length or {}))
         generation = make_request(request_id, params)
+        try:  # a token id outside the vocabulary is refused here, before a model scaled to zero wakes for it
+            await gw.prompt_tokens.check_token_ids(gw.models.specs.get(resolved.base), generation)
+        except ValueError as e:
+            raise value_error(e) from e
         if gw.needs_admission(p):
             tags = gw.tags_of(p, body.tags())
             # from a budget lease, the prompt held at its byte bound (the lease has room to spare; the hold shrinks to

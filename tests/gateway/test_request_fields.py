@@ -318,6 +318,23 @@ def test_logit_bias_forces_and_bans_tokens(client, backend, plain):
     assert completed.choices[0].text == " Paris Paris"
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_model_is_called(client, backend, monkeypatch):
+    """A logit_bias key or a prompt token id past the model's embedding rows is the engine's 400, given by the gateway
+    from the model's config before it calls the backend: such a request never wakes a model scaled to zero."""
+    rows = backend.engine.core.facts.vocab_size  # the running engine's own
+    called = []
+    generate = backend.generate
+    monkeypatch.setattr(backend, "generate", lambda request: called.append(request.request_id) or generate(request))
+    assert_refused(lambda: greedy(client, max_tokens=1, logit_bias={str(rows): 5}), "logit_bias")
+    assert_refused(lambda: client.completions.create(**{**COMPLETION_BASE, "prompt": [1, rows]}), "prompt")
+    assert_refused(lambda: client.completions.create(**COMPLETION_BASE, logit_bias={str(rows + 10**6): -1}),
+                   "logit_bias")
+    assert called == []
+    edge = greedy(client, max_tokens=1, logit_bias={str(rows - 1): 0})
+    ids = client.completions.create(**{**COMPLETION_BASE, "prompt": [1, rows - 1]})
+    assert called == [edge.id, ids.id]
+
+
 def test_penalties_change_the_answer(client):
     ask = [{"role": "user", "content": "Write the word 'cat' ten times, separated by spaces."}]
     unpenalised = greedy(client, messages=ask, max_tokens=16).choices[0].message.content
