@@ -330,6 +330,7 @@ class MaskProcesses:
         self._workers[index] = worker
 
     def close(self) -> None:
+        self._last_plans = []
         for index in range(len(self._workers)):
             self._hand_over(index, ("stop",), 0)
         for worker in self._workers:
