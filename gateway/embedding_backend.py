@@ -172,16 +172,7 @@ class LocalEmbeddingBackend:
         return self._loaded
 
     def _check_dimensions(self, loaded: _Loaded, dimensions: int | None) -> None:
-        if dimensions is None or dimensions == loaded.dimension:
-            return
-        name, allowed = self.spec.name, self.options.matryoshka_dimensions or []
-        if dimensions > loaded.dimension:
-            raise ValueError(f"dimensions: {dimensions} is larger than the embeddings of `{name}` "
-                             f"({loaded.dimension})")
-        if dimensions not in allowed:
-            sizes = f"only {', '.join(map(str, sorted({*allowed, loaded.dimension})))}" if allowed else \
-                f"only its own {loaded.dimension} (it was not trained to be shortened)"
-            raise ValueError(f"dimensions: `{name}` gives embeddings of {sizes}, not {dimensions}")
+        check_dimensions(self.spec.name, loaded.dimension, self.options.matryoshka_dimensions, dimensions)
 
     @staticmethod
     def _tokenize_texts(loaded: _Loaded, texts: list[str]) -> list[list[int]]:
@@ -194,13 +185,7 @@ class LocalEmbeddingBackend:
             return self._tokenize_texts(loaded, texts)
 
     def _check_rows(self, loaded: _Loaded, rows: list[list[int]]) -> None:
-        for i, row in enumerate(rows):
-            if len(row) > loaded.max_len:
-                raise ValueError(f"input: input {i} is {len(row)} tokens long; `{self.spec.name}` reads at most "
-                                 f"{loaded.max_len} (its special tokens included). Shorten or split it.")
-            if not row or min(row) < 0 or max(row) >= loaded.vocab_size:
-                raise ValueError(f"input: input {i} holds a token id outside the vocabulary of `{self.spec.name}` "
-                                 f"(0 to {loaded.vocab_size - 1})")
+        check_rows(self.spec.name, loaded.max_len, loaded.vocab_size, rows)
 
     def forward(self, rows: list[list[int]]) -> np.ndarray:
         """One forward pass over the rows, padded to the longest (the batcher runs it in a worker thread)."""
@@ -222,3 +207,29 @@ class LocalEmbeddingBackend:
         with torch.inference_mode():
             out = loaded.model({k: v.to(device) for k, v in features.items()})["sentence_embedding"]
         return out.float().cpu().numpy()
+
+
+def check_dimensions(name: str, dimension: int, matryoshka: list[int] | None, dimensions: int | None) -> None:
+    """A ValueError naming `dimensions` unless the model (its own `dimension`, the sizes its spec says it was trained
+    to be cut to) gives embeddings of that many."""
+    if dimensions is None or dimensions == dimension:
+        return
+    allowed = matryoshka or []
+    if dimensions > dimension:
+        raise ValueError(f"dimensions: {dimensions} is larger than the embeddings of `{name}` ({dimension})")
+    if dimensions not in allowed:
+        sizes = f"only {', '.join(map(str, sorted({*allowed, dimension})))}" if allowed else \
+            f"only its own {dimension} (it was not trained to be shortened)"
+        raise ValueError(f"dimensions: `{name}` gives embeddings of {sizes}, not {dimensions}")
+
+
+def check_rows(name: str, max_len: int, vocab_size: int, rows: list[list[int]]) -> None:
+    """A ValueError naming `input` for a row of token ids the model cannot read: too long, or an id outside its
+    vocabulary."""
+    for i, row in enumerate(rows):
+        if len(row) > max_len:
+            raise ValueError(f"input: input {i} is {len(row)} tokens long; `{name}` reads at most {max_len} (its "
+                             "special tokens included). Shorten or split it.")
+        if not row or min(row) < 0 or max(row) >= vocab_size:
+            raise ValueError(f"input: input {i} holds a token id outside the vocabulary of `{name}` "
+                             f"(0 to {vocab_size - 1})")

@@ -29,6 +29,7 @@ class EmbeddingModelFacts:
     directory: Path
     dimension: int  # of the embeddings the model's modules output
     max_seq_length: int  # the most tokens (special tokens included) the model reads of one input
+    vocab_size: int | None = None  # its token embeddings' rows (config.json), where the config says
 
 
 def resolve_embedding_source(source: str) -> Path:
@@ -49,8 +50,10 @@ def read_embedding_model(source: str) -> EmbeddingModelFacts:
         raise ValueError(f"{directory}/config.json: no hidden_size; not an encoder model's config")
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{directory}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    vocab_size = config.get("vocab_size")
     return EmbeddingModelFacts(directory, _output_dimension(directory, config["hidden_size"]),
-                               _max_seq_length(directory, config))
+                               _max_seq_length(directory, config),
+                               vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else None)
 
 
 def _package_directory(package: str) -> Path:

@@ -2,7 +2,8 @@
 
 The way through: the body is checked (gateway/protocol.py); the model must be an embedding model (400 naming
 `model` otherwise); its backend tokenizes the inputs and refuses bad ones (too long, unknown token ids, a
-`dimensions` the model does not give) — all before anything is reserved or journaled; then admission reserves
+`dimensions` the model does not give; token ids and `dimensions` are checked first from the model's config files
+here, so a bad one never wakes a model scaled to zero) — all before anything is reserved or journaled; then admission reserves
 the exact cost (input tokens at the model's input price), the request is journaled, the inputs are embedded in
 passes shared with concurrent requests, and one usage event (endpoint `embeddings`) records the tokens."""
 
@@ -78,7 +79,8 @@ async def _checked(gw: Gateway, body: EmbeddingRequest) -> tuple[EmbeddingBacken
         raise invalid_request("model: name an embedding model; \"auto\" routes chat requests only (vectors of "
                               "different models cannot be compared)", "model", "model_not_supported")
     backend = cast(EmbeddingBackend, gw.backend_for(body.model, kind="embedding"))
-    try:
+    try:  # what its config can tell is refused here, before a model scaled to zero wakes for it
+        await gw.prompt_tokens.check_embedding_inputs(gw.models.specs.get(body.model), body.inputs(), body.dimensions)
         return backend, await backend.tokenize(body.inputs(), body.dimensions)
     except ValueError as e:
         raise value_error(e) from e

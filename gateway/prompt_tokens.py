@@ -2,7 +2,9 @@
 tools, as engine/tokenizer.py renders them) and tokenized by the model's own tokenizer. Budgets and tpm then hold
 the prompt's real tokens, not the UTF-8 byte bound, so a budget admits the requests it fits. And the engine's own
 checks of the token ids a request names (a token-id prompt, logit_bias, stop_token_ids) against the model's
-vocabulary, made before the model is called: a bad id is a 400 that never wakes a model scaled to zero.
+vocabulary, made before the model is called: a bad id is a 400 that never wakes a model scaled to zero. The same
+for an embedding model: token-id inputs and `dimensions`, checked as its replica checks them
+(gateway/embedding_backend.py), from its config files.
 
 The tokenizer and the model's config are read once per model source, lazily, in a worker thread; a source whose
 tokenizer this process cannot load (`random:` weights, a path only the model's nodes have) counts None, and
@@ -21,7 +23,9 @@ from engine.config import TOKENIZE_IN_THREAD_CHARS
 from engine.loader import load_tokenizer, read_model_config
 from engine.tokenizer import Tokenizer, encode_prompt
 from gateway.backends import GenerationRequest
-from gateway.specs import ModelSpec
+from gateway.embedding_backend import check_dimensions, check_rows
+from gateway.embedding_source import EmbeddingModelFacts, read_embedding_model
+from gateway.specs import ModelSpec, embedding_engine
 
 log = logging.getLogger("tollgate.gateway")
 
@@ -34,6 +38,24 @@ class PromptTokenCounter:
         self._lock = threading.Lock()
         self._tokenizers: dict[tuple[str, str | None], concurrent.futures.Future[Tokenizer | None]] = {}
         self._vocab_rows: dict[str, concurrent.futures.Future[int | None]] = {}
+        self._embedding_models: dict[str, concurrent.futures.Future[EmbeddingModelFacts | None]] = {}
+
+    async def check_embedding_inputs(self, spec: ModelSpec | None, inputs: list[str] | list[list[int]],
+                                     dimensions: int | None) -> None:
+        """A ValueError naming `input` or `dimensions`, as the model's replica would raise it, for token-id inputs
+        it cannot read or a size of embeddings it does not give; nothing is read for texts at the model's own
+        size (the replica's tokenizer checks those)."""
+        token_ids = bool(inputs) and not isinstance(inputs[0], str)
+        if spec is None or (dimensions is None and not token_ids):
+            return
+        facts = await self._loaded(self._embedding_models, spec.source, _read_embedding_model)
+        if facts is None:
+            return
+        options = embedding_engine(spec)
+        check_dimensions(spec.name, facts.dimension, options.matryoshka_dimensions, dimensions)
+        if token_ids and facts.vocab_size is not None:
+            check_rows(spec.name, options.max_model_len or facts.max_seq_length, facts.vocab_size,
+                       inputs)  # type: ignore[arg-type]
 
     async def check_token_ids(self, spec: ModelSpec | None, request: GenerationRequest) -> None:
         """A ValueError naming the field, as the engine would raise it, when a token id the request names is outside
@@ -99,6 +121,14 @@ def _load_tokenizer(key: tuple[str, str | None]) -> Tokenizer | None:
     except Exception as e:
         raise RuntimeError(f"cannot load the tokenizer of {key[0]} here ({e}): budgets hold its prompts' UTF-8 "
                            "bytes") from e
+
+
+def _read_embedding_model(source: str) -> EmbeddingModelFacts:
+    try:
+        return read_embedding_model(source)
+    except Exception as e:
+        raise RuntimeError(f"cannot read the embedding model {source} here ({e}): its replica checks its inputs") \
+            from e
 
 
 def _read_vocab_rows(source: str) -> int:

@@ -230,6 +230,30 @@ def test_bad_input_is_a_400_naming_the_field_before_anything_is_reserved_or_reco
     assert len(emb.events()) == before_events and emb.held() == before_held
 
 
+def test_token_ids_and_dimensions_the_model_cannot_take_are_refused_before_its_backend_is_called(
+        emb: Embeddings, monkeypatch) -> None:
+    """The gateway reads the model's vocabulary, input length and sizes from its config files: such a request gets
+    the replica's own 400 without reaching the backend, so it never wakes a model scaled to zero."""
+    backend = emb.backends[EMBED]
+    called: list[int | None] = []
+    tokenize = backend.tokenize
+
+    async def spy(inputs, dimensions):
+        called.append(dimensions)
+        return await tokenize(inputs, dimensions)
+
+    monkeypatch.setattr(backend, "tokenize", spy)
+    for body, param, words in (({"input": [[101, 30522, 102]]}, "input", "outside the vocabulary"),
+                               ({"input": [101] + [2000] * 300 + [102]}, "input", "reads at most 256"),
+                               ({"input": "hi", "dimensions": 128}, "dimensions", "only its own 384"),
+                               ({"input": "hi", "dimensions": 1000}, "dimensions", "larger than")):
+        r = emb.post({"model": EMBED, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.text, r.text
+    assert called == []
+    assert emb.post({"model": EMBED, "input": [[101, 30521, 102]], "dimensions": 384}).status_code == 200
+    assert called == [384]
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
                     | st.text(max_size=12), lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=12)
