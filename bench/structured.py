@@ -19,8 +19,8 @@ ratio_median_of_pairs is the median over the repeats of each constrained run ove
 it (steadier where the host's speed drifts between runs). With mask processes: mask_process_work_ms is a process's
 work a step, mask_process_start_lag_ms the time from the hand-over to its start, mask_process_late_ms how long the
 engine thread waited for the last one, steady_steps the share of steps handed over with no per-sequence work
-(engine/token_mask.py _Steady), hand_overs_before_schedule the share whose tokens were on the host before the next
-step was scheduled.
+(engine/token_mask.py _Steady), hand_overs_early the share handed over before the engine read the tokens (found on
+the host at the top of the next step or after it was scheduled).
 --profile runs each mode once more under cProfile (not counted) and writes where the engine thread's time went."""
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how long mask processes spin between steps (default: the engine's choice for the machine)")
     p.add_argument("--switch-interval", type=float, metavar="SECONDS",
                    help="sys.setswitchinterval for the run (the engine's own setting when not given)")
+    p.add_argument("--late-hand-over", action="store_true",
+                   help="hand the mask processes each step's tokens only once the engine reads them (as before the "
+                        "early hand-over), for an A/B on one machine")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each mode's last run; the functions by own time go to DIR/<mode>.txt")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
@@ -112,7 +115,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
-    steady_steps, early = masker.steps_steady, masker.hand_overs_before_schedule
+    steady_steps, early = masker.steps_steady, masker.hand_overs_early
     pool = engine.grammars.pool
     times = dataclasses.replace(pool.times) if pool is not None else None
     profiler = cProfile.Profile() if profile else None
@@ -135,7 +138,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     masked = masker.steps - mask_steps
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
             "steady_steps": (masker.steps_steady - steady_steps) / masked if masked else 0.0,
-            "hand_overs_before_schedule": (masker.hand_overs_before_schedule - early) / masked if masked else 0.0,
+            "hand_overs_early": (masker.hand_overs_early - early) / masked if masked else 0.0,
             **process_times(pool, times),
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     masker = llm.engine.runner.token_masker
     masker.threads = args.mask_threads or masker.threads
     llm.engine.grammars.lexers = args.lexers or masker.threads
+    if args.late_hand_over:
+        llm.engine._hand_over_early = lambda previous: None  # the engine's own tokens_read after reading stays
     if args.mask_spin is not None:
         llm.engine.grammars.spin_s = args.mask_spin  # read when the first structured request starts the processes
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
@@ -230,9 +235,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_collect_ms_per_step": best["constrained"]["mask_collect_ms_per_step"],
         **{key: value for key, value in best["constrained"].items() if key.startswith("mask_process_")},
         "steady_steps": best["constrained"]["steady_steps"],
-        "hand_overs_before_schedule": best["constrained"]["hand_overs_before_schedule"],
+        "hand_overs_early": best["constrained"]["hand_overs_early"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
+        "late_hand_over": args.late_hand_over,
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }

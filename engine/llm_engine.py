@@ -241,9 +241,9 @@ class LLMEngine:
         if self.sleep_mode.level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_mode.level}): wake() it before stepping")
         previous = self.in_flight
-        if previous is not None and previous.on_host():
-            self.runner.token_masker.tokens_read(previous, before_schedule=True)  # filled while this schedules
+        self._hand_over_early(previous)
         batch = self._schedule()
+        self._hand_over_early(previous)  # the last step's sampling often ends while this one schedules
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
         if previous is not None:
@@ -251,6 +251,13 @@ class LLMEngine:
             self.runner.token_masker.tokens_read(previous)  # if they were not on the host before
             self._add_tokens(sampled)
         return self._take_tokens(batch, self.runner.sample_tokens(launched)) if launched is not None else None
+
+    def _hand_over_early(self, previous: DeferredTokens | None) -> None:
+        """Mask processes waiting for the last step's tokens get them as soon as they are on the host: they fill the
+        next masks while this thread schedules and launches."""
+        masker = self.runner.token_masker
+        if previous is not None and masker.awaits(previous) and previous.on_host():
+            masker.tokens_read(previous, early=True)
 
     def _schedule(self) -> ScheduledBatch:
         if self.speculator is not None:

@@ -124,7 +124,7 @@ class TokenMasker:
         self.rows = 0
         self.rows_ahead = 0
         self.steps_steady = 0  # steps whose masks and hand-over took the steady path (_Steady)
-        self.hand_overs_before_schedule = 0
+        self.hand_overs_early = 0
 
     @property
     def executor(self):
@@ -246,14 +246,18 @@ class TokenMasker:
         words = self._new_words(len(items), first.mask_words)
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
 
-    def tokens_read(self, tokens: DeferredTokens, before_schedule: bool = False) -> None:
+    def awaits(self, tokens: DeferredTokens) -> bool:
+        """Whether mask processes wait for these tokens (tokens_read would send them)."""
+        return self._to_send is tokens
+
+    def tokens_read(self, tokens: DeferredTokens, early: bool = False) -> None:
         """These tokens are on the host (read, or their copy done): with mask processes, each matcher of the step
         consumes its token and fills the next step's mask there, while the engine thread goes on (for_step collects
-        them). Only the first call for a step's tokens sends them. `before_schedule`: the engine found them there
-        before it scheduled the next step (counted: the processes then have the whole host step)."""
+        them). Only the first call for a step's tokens sends them. `early`: found there before the engine read
+        them (counted: the processes then have more of the host's step)."""
         if self._to_send is tokens:
             self._send_ahead()
-            self.hand_overs_before_schedule += before_schedule
+            self.hand_overs_early += early
 
     def _send_ahead(self) -> None:
         """Sends the tokens start_ahead kept to the mask processes. A sequence whose matcher is behind its tokens

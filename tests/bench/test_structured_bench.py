@@ -44,6 +44,11 @@ def test_mask_processes_and_their_spin_are_reported(tmp_path, one_thread) -> Non
     assert result["mask_process_work_ms"] > 0 and result["mask_process_start_lag_ms"] >= 0
     assert result["mask_process_late_ms"] >= 0 and result["mask_process_notice_ms"] >= 0
     assert 0 < result["steady_steps"] <= 1  # the batch stays the same: most hand-overs need no message
+    assert result["hand_overs_early"] > 0 and not result["late_hand_over"]  # CPU tokens are on the host at once
+    late = structured.main(["--model", model, "--device", "cpu", "--batch", "4", "--prompt-len", "8",
+                            "--output-len", "6", "--repeats", "1", "--max-model-len", "64", "--mask-processes", "2",
+                            "--late-hand-over"])
+    assert late["late_hand_over"] and late["hand_overs_early"] == 0 and late["rows_filled_ahead"] > 0
 
 
 def test_the_hand_over_probe_times_the_engine_threads_share(tmp_path) -> None:

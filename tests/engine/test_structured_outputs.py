@@ -114,6 +114,7 @@ def test_matchers_in_mask_processes_write_the_same_documents(tiny) -> None:
             assert llm.engine.grammars.pool is not None and masker.rows > 0
             if not config:
                 assert masker.rows_ahead > 0.8 * masker.rows  # filled a step ahead, in the processes
+                assert masker.hand_overs_early > 0 and masker.steps_steady > 0  # CPU tokens are on the host at once
         finally:
             llm.engine.close()
 
