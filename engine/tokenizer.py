@@ -213,6 +213,7 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int,
     ids = list(prompt)
     if not ids:
         raise ValueError("prompt: must not be empty")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}); got {bad!r}")
     return None, ids
