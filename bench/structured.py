@@ -19,8 +19,9 @@ ratio_median_of_pairs is the median over the repeats of each constrained run ove
 it (steadier where the host's speed drifts between runs). With mask processes: mask_process_work_ms is a process's
 work a step, mask_process_start_lag_ms the time from the hand-over to its start, mask_process_late_ms how long the
 engine thread waited for the last one, steady_steps the share of steps handed over with no per-sequence work
-(engine/token_mask.py _Steady), hand_overs_early the share handed over before the engine read the tokens (found on
-the host at the top of the next step or after it was scheduled).
+(engine/token_mask.py _Steady), hand_overs_from_device the share whose tokens the device copied to the processes
+itself (off with --no-device-hand-over), hand_overs_early the share handed over before the engine read the tokens
+(found on the host at the top of the next step or after it was scheduled).
 --profile runs each mode once more under cProfile (not counted) and writes where the engine thread's time went."""
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--late-hand-over", action="store_true",
                    help="hand the mask processes each step's tokens only once the engine reads them (as before the "
                         "early hand-over), for an A/B on one machine")
+    p.add_argument("--no-device-hand-over", action="store_true",
+                   help="a steady step's tokens reach the mask processes through the engine thread, not straight "
+                        "from the device, for an A/B on one machine")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each mode's last run; the functions by own time go to DIR/<mode>.txt")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
@@ -115,7 +119,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     mask_seconds, ahead_seconds, native_seconds, mask_steps, mask_rows, rows_ahead, send_seconds, collect_seconds = (
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
-    steady_steps, early = masker.steps_steady, masker.hand_overs_early
+    steady_steps, early, from_device = masker.steps_steady, masker.hand_overs_early, masker.hand_overs_from_device
     pool = engine.grammars.pool
     times = dataclasses.replace(pool.times) if pool is not None else None
     profiler = cProfile.Profile() if profile else None
@@ -139,6 +143,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     return {"tpot_ms": elapsed / steps * 1e3, "steps": steps,
             "steady_steps": (masker.steps_steady - steady_steps) / masked if masked else 0.0,
             "hand_overs_early": (masker.hand_overs_early - early) / masked if masked else 0.0,
+            "hand_overs_from_device": (masker.hand_overs_from_device - from_device) / masked if masked else 0.0,
             **process_times(pool, times),
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm.engine.grammars.lexers = args.lexers or masker.threads
     if args.late_hand_over:
         llm.engine._hand_over_early = lambda previous: None  # the engine's own tokens_read after reading stays
+    masker.hand_over_from_device = not args.no_device_hand_over
     if args.mask_spin is not None:
         llm.engine.grammars.spin_s = args.mask_spin  # read when the first structured request starts the processes
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
@@ -236,9 +242,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **{key: value for key, value in best["constrained"].items() if key.startswith("mask_process_")},
         "steady_steps": best["constrained"]["steady_steps"],
         "hand_overs_early": best["constrained"]["hand_overs_early"],
+        "hand_overs_from_device": best["constrained"]["hand_overs_from_device"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
-        "late_hand_over": args.late_hand_over,
+        "late_hand_over": args.late_hand_over, "device_hand_over": not args.no_device_hand_over,
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "runs": runs,
     }

@@ -13,6 +13,10 @@ dearest of them: a steady step (the same sequences in the same rows) is handed o
 to processes that spin between steps while the machine has cores to spare (spin_s), and collected the same way;
 the socket carries what changes, refusals and errors (engine/mask_worker.py).
 
+A steady step's tokens need not wait for the engine thread at all: send_steady_from_device has the device copy them
+into the shared buffer right behind the sampling that made them (the buffer is registered with CUDA), and each
+worker starts its plan when its rows' tokens land there, while the engine thread is still busy with the step before.
+
 A process that dies (killed, out of memory) is started again, and its sequences' matchers are rebuilt there from
 their tokens: TokenMasker catches them up like any sequence whose matcher is behind."""
 
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.mask_worker import READ_MESSAGE, RUN_PLAN, STATUS_REPLY, Control, fence
+from engine.mask_worker import NO_TOKEN, READ_MESSAGE, RUN_PLAN, RUN_PLAN_ON_DEVICE_TOKENS, STATUS_REPLY, Control, fence
 
 if TYPE_CHECKING:
     from engine.grammar import SequenceGrammar
@@ -106,11 +110,12 @@ class MaskProcesses:
                  rows: int, mask_words: int, device: torch.device, spin_s: float | None = None) -> None:
         """`spin_s`: how long the workers spin after a step before they sleep (spin_seconds() when not given)."""
         masks_bytes = 2 * rows * mask_words * 4
-        tokens_offset = masks_bytes
+        device_tokens_offset = masks_bytes  # int64 [2, rows], beside the masks: one range registered with CUDA
+        tokens_offset = device_tokens_offset + 2 * rows * 8
         control_offset = -(-(tokens_offset + 2 * rows * 4) // 128) * 128
         nbytes = control_offset + num_processes * ctypes.sizeof(Control)
         self.spin_s = spin_seconds(num_processes) if spin_s is None else spin_s
-        self._setup = (ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows, tokens_offset)
+        self._setup = (ll_tokenizer_json, vocab_size, eos, mask_words * 4, rows, tokens_offset, device_tokens_offset)
         self._control_offset = control_offset
         self._fd = os.memfd_create("tollgate-masks")
         os.ftruncate(self._fd, nbytes)
@@ -119,9 +124,11 @@ class MaskProcesses:
             2, rows, mask_words)
         self._rows = rows
         self._tokens = (ctypes.c_int32 * (2 * rows)).from_buffer(self._map, tokens_offset)  # [2, rows]
+        self._device_tokens = torch.frombuffer(self._map, dtype=torch.int64, count=2 * rows,
+                                               offset=device_tokens_offset).view(2, rows)
         self._registered = False
         if device.type == "cuda":
-            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), masks_bytes, 0)
+            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), tokens_offset, 0)
             self._registered = True
         self._keys = itertools.count()
         self._lock = threading.Lock()  # drops may come from any thread (a sequence's last reference)
@@ -181,14 +188,15 @@ class MaskProcesses:
             dropped, worker.dropped = worker.dropped, []
         return new, dropped
 
-    def _hand_over(self, index: int, message: tuple | None, half: int) -> None:
-        """Step worker.seq + 1 to the worker: the message, or (None) its plan again on the half's tokens."""
+    def _hand_over(self, index: int, message: tuple | None, half: int, kind: int = RUN_PLAN) -> None:
+        """Step worker.seq + 1 to the worker: the message, or (None) its plan again on the half's tokens (`kind`
+        says which: those the engine wrote, or those the device copies)."""
         worker = self._workers[index]
         worker.seq += 1
         worker.handed_ns = time.monotonic_ns()
         control = worker.control
         control.half = half
-        control.kind = RUN_PLAN if message is None else READ_MESSAGE
+        control.kind = kind if message is None else READ_MESSAGE
         fence()  # the tokens, half and kind before seq
         control.seq = worker.seq
         fence()  # seq before sleeping is looked at: the worker sees the step, or this sees that it sleeps
@@ -203,15 +211,17 @@ class MaskProcesses:
             except OSError:
                 pass  # a dead worker: receive() finds out and starts it again
 
-    def send_ahead(self, grammars: list[SequenceGrammar], tokens: list[int], half: int) -> None:
-        """grammars[i] consumes tokens[i], then writes its mask into buffer(half)[i]. Returns at once."""
+    def send_ahead(self, grammars: list[SequenceGrammar], tokens: list[int], half: int,
+                   batch_rows: list[int]) -> None:
+        """grammars[i] consumes tokens[i], then writes its mask into buffer(half)[i]. Returns at once. batch_rows[i]:
+        the row of grammars[i]'s sequence in its step's batch (where send_steady_from_device finds its token)."""
         assert not self._sent, "receive() the last round trip first"
         first = half * self._rows
         self._tokens[first: first + len(tokens)] = tokens
         plans: dict[int, tuple[list, list]] = {}
-        for row, grammar in enumerate(grammars):
+        for row, (grammar, batch_row) in enumerate(zip(grammars, batch_rows)):
             plan = plans.setdefault(grammar.worker, ([], []))
-            plan[0].append((grammar.key, row))
+            plan[0].append((grammar.key, row, batch_row))
             plan[1].append(grammar.key)
         self._last_plans = []
         for index, (plan, keys) in plans.items():
@@ -237,8 +247,26 @@ class MaskProcesses:
         assert not self._sent and self._last_plans, "receive() the last round trip first, after a send_ahead"
         first = half * self._rows
         self._tokens[first: first + len(tokens)] = tokens
+        self._run_plans(half, RUN_PLAN)
+
+    def takes_from_device(self, batch_rows: int) -> bool:
+        """Whether send_steady_from_device has a slot for each of a batch's rows."""
+        return batch_rows <= self._rows
+
+    def send_steady_from_device(self, tokens: torch.Tensor, half: int) -> None:
+        """send_steady with the step's tokens still on the device (tokens[r]: the token of batch row r, as sampled):
+        their copy into the shared buffer is queued behind the sampling, and each worker runs its plan once its
+        rows' tokens have landed. Returns at once, before the device has them."""
+        assert not self._sent and self._last_plans, "receive() the last round trip first, after a send_ahead"
+        assert self.takes_from_device(tokens.numel())
+        slots = self._device_tokens[half, : tokens.numel()]
+        slots.fill_(NO_TOKEN)  # nothing reads this half now: its last round trip has been received
+        slots.copy_(tokens, non_blocking=True)
+        self._run_plans(half, RUN_PLAN_ON_DEVICE_TOKENS)
+
+    def _run_plans(self, half: int, kind: int) -> None:
         for index, keys in self._last_plans:
-            self._hand_over(index, None, half)
+            self._hand_over(index, None, half, kind)
             self._sent.append((index, self._workers[index].seq))
             self._sent_consume.append(keys)
 

@@ -11,12 +11,15 @@ A step comes one of two ways. Usually through the shared control block alone: th
 into the shared buffer and bumps `seq`, and the worker runs its plan again (the sequences it had last step, in the
 same rows). A message on the socket comes when anything else changes (sequences added or dropped, rows moved, a
 catch-up) or while the worker sleeps. Between steps the worker spins on `seq` for `spin_s` (the engine then needs
-no system call to wake it, which cost it about 50 us a process a step), then sleeps on the socket."""
+no system call to wake it, which cost it about 50 us a process a step), then sleeps on the socket. A steady step may
+also come before its tokens are on the host: the device copies them into the shared buffer behind its sampling, and
+the worker starts on each row as soon as its token has landed there."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import select
 import sys
 import threading
@@ -26,16 +29,19 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 # parent -> worker: ("init", tokenizer_json, vocab_size, eos_ids, row_bytes, rows_per_buffer, tokens_offset,
-#                            control_offset, spin_s); each step's control.seq is written before its message is sent
-#                   ("plan", seq, new, dropped, plan, half)  plan: [(key, row)]: the key consumes token `row` of
-#                            the half's tokens, then writes its mask into the half's row; kept for RUN_PLAN steps
+#                            device_tokens_offset, control_offset, spin_s); each step's control.seq is written before
+#                            its message is sent
+#                   ("plan", seq, new, dropped, plan, half)  plan: [(key, row, batch_row)]: the key consumes token
+#                            `row` of the half's tokens (`batch_row` of the device's), then writes its mask into the
+#                            half's row; kept for RUN_PLAN and RUN_PLAN_ON_DEVICE_TOKENS steps
 #                   ("step", seq, new, dropped, consume, fill, half)  new: [(key, grammar_key, grammar_text)],
 #                            dropped: [key], consume: [(key, [token, ...])], fill: [(key, row)]
 #                   ("wake",): look at the control block (sent for a plan step to a worker that sleeps)
 #                   ("stop", seq)
 # worker -> parent: the init's reply ("ok", []); after a step with refusals or an error (status REPLY):
 #                   ("ok", [(consume item, tokens it accepted, the error of the next)]) or ("error", traceback)
-RUN_PLAN, READ_MESSAGE = 0, 1  # Control.kind
+RUN_PLAN, READ_MESSAGE, RUN_PLAN_ON_DEVICE_TOKENS = 0, 1, 2  # Control.kind
+NO_TOKEN = -1  # a device token slot the device has not written yet
 STATUS_OK, STATUS_REPLY = 0, 1  # Control.status
 IDLE_POLL_S = 0.05  # a sleeping worker looks at seq this often too (a wake-up lost to memory ordering costs this)
 
@@ -61,8 +67,8 @@ def fence() -> None:
 
 class Matchers:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int], row_bytes: int,
-                 rows_per_buffer: int, tokens_offset: int, control_offset: int, spin_s: float,
-                 buffer: mmap.mmap) -> None:
+                 rows_per_buffer: int, tokens_offset: int, device_tokens_offset: int, control_offset: int,
+                 spin_s: float, buffer: mmap.mmap) -> None:
         import llguidance
 
         self._llg = llguidance
@@ -71,11 +77,13 @@ class Matchers:
         self.rows_per_buffer = rows_per_buffer
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         self.tokens = (ctypes.c_int32 * (2 * rows_per_buffer)).from_buffer(buffer, tokens_offset)
+        self.device_tokens = (ctypes.c_int64 * (2 * rows_per_buffer)).from_buffer(buffer, device_tokens_offset)
+        self.parent = os.getppid()
         self.control = Control.from_buffer(buffer, control_offset)
         self.spin_s = spin_s
         self.templates: dict[str, Any] = {}  # grammar key -> a matcher in its start state
         self.matchers: dict[int, Any] = {}  # sequence key -> its matcher
-        self.plan: list[tuple[int, int]] = []
+        self.plan: list[tuple[int, int, int]] = []
 
     def add(self, key: int, grammar_key: str, text: str) -> None:
         template = self.templates.get(grammar_key)
@@ -112,10 +120,33 @@ class Matchers:
             self.fill(key, row, buffer)
         return refused
 
-    def run_plan(self, buffer: int) -> list:
-        """The plan's step: each key consumes its row's token of the buffer's tokens, then fills its row."""
-        tokens, first = self.tokens, buffer * self.rows_per_buffer
-        return self.step([], [], [(key, [tokens[first + row]]) for key, row in self.plan], self.plan, buffer)
+    def run_plan(self, buffer: int, on_device_tokens: bool = False) -> list:
+        """The plan's step: each key consumes its row's token of the buffer's tokens (or, on_device_tokens, its batch
+        row's token once the device has copied it), then fills its row."""
+        first = buffer * self.rows_per_buffer
+        if on_device_tokens:
+            consume = [(key, [self.device_token(first + batch_row)]) for key, _, batch_row in self.plan]
+        else:
+            consume = [(key, [self.tokens[first + row]]) for key, row, _ in self.plan]
+        return self.step([], [], consume, [(key, row) for key, row, _ in self.plan], buffer)
+
+    def device_token(self, slot: int) -> int:
+        """The token the device copies into device_tokens[slot], once it has. Raises _StepAbandoned if the engine
+        hands over another step meanwhile (it is stopping) or has gone."""
+        token = self.device_tokens[slot]
+        if token != NO_TOKEN:
+            return token
+        control, seq = self.control, self.control.seq
+        next_check = time.monotonic() + IDLE_POLL_S
+        while (token := self.device_tokens[slot]) == NO_TOKEN:
+            os.sched_yield()  # the engine thread may share this core
+            if control.seq != seq:
+                raise _StepAbandoned
+            if time.monotonic() > next_check:
+                if os.getppid() != self.parent:
+                    raise EOFError
+                next_check = time.monotonic() + IDLE_POLL_S
+        return token
 
     def next_step(self, conn: Connection) -> tuple | None:
         """Waits for the next step: None to run the plan on control.half's tokens, else the step's message."""
@@ -135,11 +166,15 @@ class Matchers:
                             return message
             finally:
                 control.sleeping = 0
-        if control.kind == RUN_PLAN:
+        if control.kind != READ_MESSAGE:
             return None
         while (message := conn.recv())[0] == "wake":  # a wake-up for a step this saw without it
             pass
         return message
+
+
+class _StepAbandoned(Exception):
+    """The engine handed over a new step while this one waited for the device's tokens."""
 
 
 def serve(conn: Connection, buffer: mmap.mmap) -> None:
@@ -161,7 +196,8 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
         control.started_ns = time.monotonic_ns()
         try:
             if message is None:
-                seq, refused = control.seq, matchers.run_plan(control.half)
+                seq = control.seq
+                refused = matchers.run_plan(control.half, control.kind == RUN_PLAN_ON_DEVICE_TOKENS)
             elif message[0] == "plan":
                 seq = message[1]
                 matchers.update(*message[2:4])
@@ -171,6 +207,10 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
                 seq = message[1]
                 refused = matchers.step(*message[2:])
             reply = ("ok", refused) if refused else None
+        except _StepAbandoned:
+            continue
+        except EOFError:
+            return
         except Exception:  # noqa: BLE001
             seq, reply = control.seq, ("error", traceback.format_exc())
         try:

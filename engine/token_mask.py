@@ -106,7 +106,9 @@ class TokenMasker:
         self._to_send: DeferredTokens | None = None  # mask processes: tokens to send once read
         # their round trip under way: the pool, the masks it fills, and (step's batch, rows sent, tokens) to name
         # the sequence and token of a refusal
-        self._in_processes: tuple[MaskProcesses, _Ahead, tuple[list[Sequence], list[int], list[int]]] | None = None
+        self._in_processes: tuple[MaskProcesses, _Ahead,
+                                  tuple[list[Sequence], list[int], list[int] | DeferredTokens]] | None = None
+        self.hand_over_from_device = True  # a steady step's tokens go to the mask processes from the device
         self._steady: _Steady | None = None
         self._half = 0  # the half of the processes' buffer the next round trip ahead fills
         self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
@@ -125,6 +127,7 @@ class TokenMasker:
         self.rows_ahead = 0
         self.steps_steady = 0  # steps whose masks and hand-over took the steady path (_Steady)
         self.hand_overs_early = 0
+        self.hand_overs_from_device = 0
 
     @property
     def executor(self):
@@ -232,13 +235,20 @@ class TokenMasker:
     def start_ahead(self, tokens: DeferredTokens) -> None:
         """The step whose tokens these are has been sampled on the device: fill the masks of the next step in the
         worker thread, as soon as the tokens reach the host. The worker holds the matchers weakly until it runs: a
-        sequence aborted or finished meanwhile lets its matcher go. With mask processes the engine thread sends the
-        tokens to them once it has read them (tokens_read)."""
+        sequence aborted or finished meanwhile lets its matcher go. With mask processes a steady step's tokens go to
+        them straight from the device (hand_over_from_device); any other step's, once the engine thread has read
+        them (tokens_read)."""
         first = next((seq.grammar for seq in tokens.seqs if seq.grammar is not None), None)
         if first is None:
             return
         if first.pool is not None:
-            self._to_send = tokens
+            started = time.perf_counter()
+            steady = self._steady
+            if not (self.hand_over_from_device and self._in_processes is None and self._steady_goes_on(steady, tokens)
+                    and steady.pool.takes_from_device(tokens.num_rows) and self._send_steady(steady, tokens, None)):
+                self._to_send = tokens
+            self.seconds += time.perf_counter() - started
+            self.send_seconds += time.perf_counter() - started
             return
         items = [(row, weakref.ref(seq.grammar)) for row, seq in enumerate(tokens.seqs) if seq.grammar is not None]
         if self._worker is None:
@@ -266,28 +276,38 @@ class TokenMasker:
         tokens, self._to_send = self._to_send, None
         values = tokens.tolist()
         steady = self._steady
-        if not (steady is not None and steady.served and steady.pool.unchanged() and steady.same_batch(tokens.seqs)
-                and self._send_steady(steady, tokens.seqs, values)):
+        if not (self._steady_goes_on(steady, tokens) and self._send_steady(steady, tokens, values)):
             self._send_planned(tokens, values)
         self.seconds += time.perf_counter() - started
         self.send_seconds += time.perf_counter() - started
 
-    def _send_steady(self, steady: _Steady, seqs: list[Sequence], values: list[int]) -> bool:
-        """The hand-over of a steady step: the processes run their plans on the new tokens. False (nothing sent)
-        if a grammar went meanwhile."""
+    @staticmethod
+    def _steady_goes_on(steady: _Steady | None, tokens: DeferredTokens) -> bool:
+        """Whether these tokens' step is steady: the same batch as the last hand-over's, its masks all served."""
+        return (steady is not None and steady.served and steady.pool.unchanged()
+                and steady.same_batch(tokens.seqs))
+
+    def _send_steady(self, steady: _Steady, tokens: DeferredTokens, values: list[int] | None) -> bool:
+        """The hand-over of a steady step: the processes run their plans on the new tokens (`values`: as read on
+        the host; None: copied there from the device). False (nothing sent) if a grammar went meanwhile."""
         grammars = [ref() for ref in steady.ahead.grammars]
         if None in grammars:
             return False
         for grammar in grammars:
             grammar.num_consumed += 1
         half, self._half = self._half, 1 - self._half
-        steady.pool.send_steady([values[row] for row in steady.rows], half)
+        if values is None:
+            steady.pool.send_steady_from_device(tokens.device_ids, half)
+            self.hand_overs_from_device += 1
+        else:
+            steady.pool.send_steady([values[row] for row in steady.rows], half)
         words = steady.words.get(half)
         if words is None:
             words = steady.words[half] = steady.pool.buffer(half)[: len(steady.rows)]
         steady.ahead = _Ahead(steady.ahead.grammars, [g.num_consumed for g in grammars], words)
         steady.served = False
-        self._in_processes = (steady.pool, steady.ahead, (seqs, steady.rows, values))
+        sent = tokens if values is None else values
+        self._in_processes = (steady.pool, steady.ahead, (tokens.seqs, steady.rows, sent))
         return True
 
     def _send_planned(self, tokens: DeferredTokens, values: list[int]) -> None:
@@ -310,7 +330,7 @@ class TokenMasker:
         for grammar in grammars:
             grammar.num_consumed += 1
         rows = [row for row, _ in live]
-        pool.send_ahead(grammars, [values[row] for row in rows], half)
+        pool.send_ahead(grammars, [values[row] for row in rows], half, rows)
         ahead = _Ahead([weakref.ref(g) for g in grammars], [g.num_consumed for g in grammars],
                        pool.buffer(half)[: len(live)])
         self._in_processes = (pool, ahead, (seqs, rows, values))
@@ -334,6 +354,8 @@ class TokenMasker:
         if results or restarted:
             self._steady = None
         if results:
+            if isinstance(values, DeferredTokens):  # sent from the device: read only to name a refused token
+                values = values.tolist()
             sent = {id(seq.grammar): (seq, values[row]) for row in rows if (seq := seqs[row]).grammar is not None}
             for grammar, _accepted, error in results:  # each refused the one token it was sent
                 if id(grammar) in sent:  # else its sequence has finished meanwhile

@@ -14,6 +14,9 @@ import torch
 
 from engine.deferred_tokens import DeferredTokens
 from engine.grammar import GrammarCompiler
+from engine.mask_worker import NO_TOKEN, RUN_PLAN_ON_DEVICE_TOKENS
+from engine.config import SamplingParams
+from engine.sequence import Sequence
 from engine.token_mask import TokenMasker
 from tests.engine.helpers import smollm2_tokenizer
 from tests.engine.test_token_mask import SPECS, allowed, new_sequences
@@ -25,7 +28,7 @@ def grammars(request):
     them through shared memory alone)."""
     tokenizer = smollm2_tokenizer()
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=1, processes=2,
-                               max_rows=16, spin_s=request.param)
+                               max_rows=24, spin_s=request.param)
     yield compiler
     compiler.close()
 
@@ -40,23 +43,31 @@ def own_mask(matcher) -> torch.Tensor:
     return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
 
 
-def check_and_draw(live, words, rows, local, rng: random.Random) -> list[int]:
-    assert rows.tolist() == list(range(len(live)))
-    tokens = []
-    for seq, row in zip(live, words):
+def check_and_draw(live, mask, local, rng: random.Random) -> list[int]:
+    """Checks each constrained row against its mirror's mask; a token per sequence (free ones any token)."""
+    constrained = [(i, seq) for i, seq in enumerate(live) if seq.grammar is not None]
+    assert mask.rows.tolist() == [i for i, _ in constrained]
+    tokens = [rng.randrange(1, 1000) for _ in live]
+    for (i, seq), row in zip(constrained, mask.words):
         expected = own_mask(local[seq.request_id])
         assert torch.equal(row, expected[: row.numel()]), seq.request_id
-        tokens.append(rng.choice(allowed(row)))
+        tokens[i] = rng.choice(allowed(row))
     return tokens
 
 
-def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None = None, drop_at: int = 12):
+def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None = None, drop_at: int = 12,
+                    free_between: bool = False, from_device: bool = True):
     """The engine's order with async scheduling: masks for the step, its tokens sampled, read a step later, sent to
-    the mask processes, appended to the sequences."""
+    the mask processes, appended to the sequences. `free_between`: an unconstrained sequence before each
+    constrained one (a sequence's row in the batch is then not its row in the masks)."""
     rng = random.Random(7)
     seqs = new_sequences(grammars)
     local = mirrors(grammars, seqs)
+    if free_between:
+        seqs = [s for seq in seqs for s in (Sequence(f"free-{seq.request_id}", 0, [1, 2, 3], SamplingParams(), 0, 0.0,
+                                                     None, torch.device("cpu")), seq)]
     masker = TokenMasker(torch.device("cpu"), threads=1)
+    masker.hand_over_from_device = from_device
     pids = []
     for step in range(steps):
         if step == drop_at:
@@ -65,18 +76,19 @@ def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None =
             pids = [w.process.pid for w in grammars.pool._workers]
             os.kill(pids[0], signal.SIGKILL)
             grammars.pool._workers[0].process.wait()
-        live = [seq for seq in seqs if not local[seq.request_id].is_stopped()]
-        if not live:
+        live = [seq for seq in seqs if seq.grammar is None or not local[seq.request_id].is_stopped()]
+        if all(seq.grammar is None for seq in live):
             break
         mask = masker.for_step(live)
-        tokens = DeferredTokens(torch.tensor(check_and_draw(live, mask.words, mask.rows, local, rng)), live)
+        tokens = DeferredTokens(torch.tensor(check_and_draw(live, mask, local, rng)), live)
         masker.start_ahead(tokens)
         tokens.mark_pending()
         sampled = tokens.read()
         masker.tokens_read(tokens)
         for s in sampled:
             s.seq.token_ids.append(s.token_id)
-            assert local[s.seq.request_id].consume_token(s.token_id)
+            if s.seq.grammar is not None:
+                assert local[s.seq.request_id].consume_token(s.token_id)
     masker.wait()
     return masker, pids
 
@@ -85,11 +97,39 @@ def test_masks_from_mask_processes_equal_each_matchers_own(grammars: GrammarComp
     masker, _ = run_async_steps(grammars, 25)
     assert masker.rows > 100 and masker.rows_ahead > masker.rows // 2
     assert masker.steps_steady >= 15  # every step but those after a change (the start, the drop, a stop)
+    assert masker.hand_overs_from_device >= 15  # the steady steps' tokens went from the "device" tensor
     messages = sum(w.messages for w in grammars.pool._workers)
     if grammars.spin_s:  # only the steps where sequences came, left or moved rows sent one
         assert messages <= 2 * 10
     else:
         assert messages >= 2 * 20
+
+
+@pytest.mark.parametrize("from_device", [True, False], ids=["from-device", "through-engine-thread"])
+def test_masks_of_constrained_rows_between_free_ones_equal_each_matchers_own(grammars: GrammarCompiler,
+                                                                             from_device: bool) -> None:
+    """A constrained sequence's token is at its batch row, its mask at its row among the constrained: the
+    processes read the one and write the other, whichever way the tokens reach them."""
+    masker, _ = run_async_steps(grammars, 25, free_between=True, from_device=from_device)
+    assert masker.steps_steady >= 15
+    assert (masker.hand_overs_from_device >= 15) if from_device else masker.hand_overs_from_device == 0
+
+
+def test_mask_processes_waiting_for_the_devices_tokens_stop_when_closed(grammars: GrammarCompiler) -> None:
+    """A steady step handed over whose tokens never land (the engine stops first) does not hold a process up."""
+    seqs = new_sequences(grammars)
+    masker = TokenMasker(torch.device("cpu"), threads=1)
+    mask = masker.for_step(seqs)
+    tokens = DeferredTokens(torch.tensor([allowed(row)[0] for row in mask.words]), seqs)
+    masker.start_ahead(tokens)
+    masker.tokens_read(tokens)  # the first hand-over: a plan per process
+    masker.wait()
+    pool = grammars.pool
+    pool._device_tokens[0].fill_(NO_TOKEN)
+    pool._run_plans(0, RUN_PLAN_ON_DEVICE_TOKENS)  # tokens that will never come
+    workers = list(pool._workers)
+    grammars.close()
+    assert [w.process.returncode for w in workers] == [0, 0]  # each left on "stop", none killed after 5 s
 
 
 def test_a_killed_mask_process_is_started_again_and_its_sequences_caught_up(grammars: GrammarCompiler) -> None:
@@ -108,7 +148,7 @@ def test_masks_filled_when_the_step_needs_them_equal_each_matchers_own(grammars:
     for _ in range(15):
         live = [seq for seq in seqs if not local[seq.request_id].is_stopped()]
         mask = masker.for_step(live)
-        for seq, token in zip(live, check_and_draw(live, mask.words, mask.rows, local, rng)):
+        for seq, token in zip(live, check_and_draw(live, mask, local, rng)):
             seq.token_ids.append(token)
             assert local[seq.request_id].consume_token(token)
     assert masker.rows_ahead == 0 and masker.rows > 100

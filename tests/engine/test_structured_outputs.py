@@ -313,8 +313,10 @@ def test_masks_on_cuda_keep_every_document_valid(tmp_path, processes: int) -> No
             check_valid(p.structured_outputs.json, c.text)
             stopped += 1
     assert stopped >= len(SCHEMAS) and len(outs[-1].outputs[0].token_ids) == 50
-    llm.engine.runner.token_masker.wait()
-    assert llm.engine.grammars.num_live == 0 and llm.engine.runner.token_masker.rows_ahead > 0
+    masker = llm.engine.runner.token_masker
+    masker.wait()
+    assert llm.engine.grammars.num_live == 0 and masker.rows_ahead > 0
+    assert (masker.hand_overs_from_device > 0) == (processes > 0)  # steady steps' tokens copied by the device
     llm.close()
 
 
