@@ -9,7 +9,8 @@ pending and read, tokens_read (the hand-over to the processes), then --step-ms o
 running the next step while the processes fill its masks. A constrained sequence whose document ends is replaced by
 a new one (a change of batch); every other step is a steady one. Reported: the engine thread's milliseconds a step
 on masks (TokenMasker.seconds: for_step, the hand-over, collecting the processes' masks), the hand-over alone
-(send) and the collection (collect, which includes any wait for the processes: give them --step-ms to finish).
+(send: a steady step's from the step's tensor, or with --no-device-hand-over once the tokens are read) and the
+collection (collect, which includes any wait for the processes: give them --step-ms to finish).
 --profile writes the engine thread's functions by own time."""
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin", type=float, default=5.0, help="seconds the processes spin between steps")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--step-ms", type=float, default=4.0, help="the device's step, slept")
+    p.add_argument("--no-device-hand-over", action="store_true",
+                   help="a steady step's tokens go to the processes once read (not copied from the step's tensor)")
     p.add_argument("--profile", metavar="FILE", help="cProfile the loop; the functions by own time go here")
     args = p.parse_args(argv)
     if args.batch < 1 or args.processes < 1 or args.steps < 10 or not 0 < args.constrained_fraction <= 1:
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     constrained = round(args.batch * args.constrained_fraction)
     batch = Batch(grammars, StructuredOutputs(json=SCHEMA), args.batch, constrained, tokenizer.vocab_size)
     masker = TokenMasker(torch.device("cpu"), threads=1)
+    masker.hand_over_from_device = not args.no_device_hand_over
     profiler = cProfile.Profile() if args.profile else None
     warmup = 10
     changes = 0
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(args.steps + warmup):
             if step == warmup:
                 masker.seconds = masker.send_seconds = masker.collect_seconds = 0.0
-                masker.steps = 0
+                masker.steps = masker.hand_overs_from_device = 0
                 changes = 0
                 if profiler:
                     profiler.enable()
@@ -142,6 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "batch": args.batch, "constrained": constrained, "processes": args.processes, "spin_s": args.spin,
         "steps": masker.steps, "steady_steps": masker.steps_steady, "steps_with_a_batch_change": changes,
+        "hand_overs_from_device": masker.hand_overs_from_device,
         "mask_ms_per_step": 1000 * masker.seconds / masker.steps,
         "send_ms_per_step": 1000 * masker.send_seconds / masker.steps,
         "collect_ms_per_step": 1000 * masker.collect_seconds / masker.steps,

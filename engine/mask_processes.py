@@ -126,6 +126,7 @@ class MaskProcesses:
         self._tokens = (ctypes.c_int32 * (2 * rows)).from_buffer(self._map, tokens_offset)  # [2, rows]
         self._device_tokens = torch.frombuffer(self._map, dtype=torch.int64, count=2 * rows,
                                                offset=device_tokens_offset).view(2, rows)
+        self._device_slots: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}  # (half, batch rows) -> slots
         self._registered = False
         if device.type == "cuda":
             torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), tokens_offset, 0)
@@ -259,8 +260,12 @@ class MaskProcesses:
         rows' tokens have landed. Returns at once, before the device has them."""
         assert not self._sent and self._last_plans, "receive() the last round trip first, after a send_ahead"
         assert self.takes_from_device(tokens.numel())
-        slots = self._device_tokens[half, : tokens.numel()]
-        slots.fill_(NO_TOKEN)  # nothing reads this half now: its last round trip has been received
+        found = self._device_slots.get((half, tokens.numel()))
+        if found is None:
+            slots = self._device_tokens[half, : tokens.numel()]
+            found = self._device_slots[half, tokens.numel()] = (slots, slots.data_ptr(), slots.nbytes)
+        slots, address, nbytes = found
+        ctypes.memset(address, NO_TOKEN & 0xFF, nbytes)  # nothing reads this half now: it was received
         slots.copy_(tokens, non_blocking=True)
         self._run_plans(half, RUN_PLAN_ON_DEVICE_TOKENS)
 

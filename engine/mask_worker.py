@@ -136,7 +136,8 @@ class Matchers:
         token = self.device_tokens[slot]
         if token != NO_TOKEN:
             return token
-        control, seq = self.control, self.control.seq
+        control = self.control
+        seq = control.done + 1  # the step this is: the engine hands over the next only once this one is done
         next_check = time.monotonic() + IDLE_POLL_S
         while (token := self.device_tokens[slot]) == NO_TOKEN:
             os.sched_yield()  # the engine thread may share this core
