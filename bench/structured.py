@@ -17,7 +17,9 @@ lexer, whose lock fills their masks one at a time (the engine before it spread t
 runs --repeats times, alternating; the best run of each is reported, and `ratio` is constrained / unconstrained;
 ratio_median_of_pairs is the median over the repeats of each constrained run over the unconstrained run just before
 it (steadier where the host's speed drifts between runs). With mask processes: mask_process_work_ms is a process's
-work a step, mask_process_start_lag_ms the time from the hand-over to its start, mask_process_late_ms how long the
+work a step once it has its tokens, mask_process_start_lag_ms the time from the hand-over to its start,
+mask_process_token_wait_ms from its start until the device's tokens landed, mask_process_window_ms the time between
+the first process having its tokens and the engine thread asking for the masks, mask_process_late_ms how long the
 engine thread waited for the last one, steady_steps the share of steps handed over with no per-sequence work
 (engine/token_mask.py _Steady), hand_overs_from_device the share whose tokens the device copied to the processes
 itself (off with --no-device-hand-over), hand_overs_early the share handed over before the engine read the tokens
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from bench.common import emit, log, random_workload, synchronize
+from bench.gpu_timeline import GpuTimeline
 from engine import LLM, SamplingParams
 
 # documents far longer than a benchmark's output: records with integers, strings, enums, numbers and booleans
@@ -83,12 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-device-hand-over", action="store_true",
                    help="a steady step's tokens reach the mask processes through the engine thread, not straight "
                         "from the device, for an A/B on one machine")
+    p.add_argument("--gpu-timeline", action="store_true",
+                   help="CUDA events at five points of each timed step: each phase's time by the GPU's clock and the "
+                        "host's (bench/gpu_timeline.py)")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each mode's last run; the functions by own time go to DIR/<mode>.txt")
     p.add_argument("--out", metavar="FILE", help="write the JSON result here too")
     args = p.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1 or not 0 <= args.constrained_fraction <= 1:
         p.error("need --batch >= 1, --output-len >= 3, --repeats >= 1 and 0 <= --constrained-fraction <= 1")
+    if args.gpu_timeline and args.device != "cuda":
+        p.error("--gpu-timeline: CUDA events need --device cuda")
     return args
 
 
@@ -102,7 +110,7 @@ def export_tokenizer(source: str, target: str) -> dict[str, Any]:
 
 
 def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str,
-             profile: str | None = None) -> dict[str, float]:
+             profile: str | None = None, timeline: GpuTimeline | None = None) -> dict[str, float]:
     """Adds the batch, steps until every request has its first token, then times the decode steps left (under
     cProfile when `profile` names a file for the report)."""
     engine, masker = llm.engine, llm.engine.runner.token_masker
@@ -126,11 +134,15 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     steps, start = 0, time.perf_counter()
     if profiler is not None:
         profiler.enable()
+    if timeline is not None:
+        timeline.active = True
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     synchronize(llm.engine.device)
     elapsed = time.perf_counter() - start
+    if timeline is not None:
+        timeline.active = False
     if profiler is not None:
         profiler.disable()
         with open(profile, "w", encoding="utf-8") as f:
@@ -150,20 +162,29 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             "mask_worker_ms_per_step": (masker.ahead_seconds - ahead_seconds) / masked * 1e3 if masked else 0.0,
             "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0,
             "mask_send_ms_per_step": (masker.send_seconds - send_seconds) / masked * 1e3 if masked else 0.0,
-            "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0}
+            "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0,
+            **(timeline.summary() if timeline is not None else {})}
 
 
 def process_times(pool: Any, before: Any) -> dict[str, float]:
     """The mask processes' times since `before` (engine/mask_processes.py RoundTripTimes), in ms: per process and
-    round trip, from the hand-over to a process starting and its work; per round trip, how long the engine thread
-    waited for the last one once it looked, and from its end until the engine thread went on."""
+    round trip, from the hand-over to a process starting, its wait for the device's tokens and its work after; per
+    round trip, the window from the first tokens to the engine thread asking, how long it waited for the last
+    process once it asked, and from that one's end until the engine thread went on."""
     if pool is None or before is None or pool.times.rounds == before.rounds:
         return {}
     rounds = pool.times.rounds - before.rounds
-    per = {"start_lag": rounds * pool.num_processes, "work": rounds * pool.num_processes, "late": rounds,
-           "notice": rounds}
+    per_process = rounds * pool.num_processes
+    per = {"start_lag": per_process, "token_wait": per_process, "work": per_process, "window": rounds,
+           "late": rounds, "notice": rounds}
     return {f"mask_process_{name}_ms": (getattr(pool.times, f"{name}_s") - getattr(before, f"{name}_s")) / n * 1e3
             for name, n in per.items()}
+
+
+def timeline_medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each mode's GPU timeline (bench/gpu_timeline.py), the median over its runs of each figure."""
+    return {name: {key: statistics.median(run[key] for run in results) for key in results[0]
+                   if key.startswith(("gpu_", "host_", "lag_"))} for name, results in runs.items()}
 
 
 def mask_spin_s(llm: LLM) -> float | None:
@@ -213,10 +234,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_once(llm, [p[:8] for p in work.prompts], [dataclasses.replace(p, max_tokens=3) for p in params],
                  f"warm-{name}")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+    timeline = GpuTimeline(llm.engine.runner) if args.gpu_timeline else None
     for r in range(args.repeats):
         for name, params in modes.items():
             runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
-                                       f"{name}-{r}"))
+                                       f"{name}-{r}", timeline=timeline))
             log(f"{name} run {r}: {runs[name][-1]}")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
         "late_hand_over": args.late_hand_over, "device_hand_over": not args.no_device_hand_over,
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
+        "gpu_timeline": timeline_medians(runs) if timeline else None,
         "runs": runs,
     }
     emit(result, args.out)

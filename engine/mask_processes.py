@@ -68,21 +68,27 @@ def default_processes(device: torch.device) -> int:
 @dataclass
 class RoundTripTimes:
     """Totals over round trips, for benchmarks (seconds). Summed over the workers of each round: from the hand-over
-    to the worker starting the step, and the step's work. Once a round: how long after receive() began the last
-    worker was done (0 if before), and from then until receive() returned."""
+    to the worker starting the step, from then until it had its tokens (waiting for the device's), and its work
+    after that. Once a round: how long the workers had between the first one having its tokens and receive()
+    beginning (the window the masks could hide in, 0 if none), how long after receive() began the last worker was
+    done (0 if before), and from then until receive() returned."""
 
     rounds: int = 0
     start_lag_s: float = 0.0
+    token_wait_s: float = 0.0
     work_s: float = 0.0
+    window_s: float = 0.0
     late_s: float = 0.0
     notice_s: float = 0.0
 
-    def add(self, handed_ns: int, started_ns: int, done_ns: int) -> None:
+    def add(self, handed_ns: int, started_ns: int, tokens_ns: int, done_ns: int) -> None:
         self.start_lag_s += max(0, started_ns - handed_ns) * 1e-9
-        self.work_s += (done_ns - started_ns) * 1e-9
+        self.token_wait_s += max(0, tokens_ns - started_ns) * 1e-9
+        self.work_s += max(0, done_ns - max(started_ns, tokens_ns)) * 1e-9
 
-    def add_round(self, receive_ns: int, last_done_ns: int, returned_ns: int) -> None:
+    def add_round(self, first_tokens_ns: int, receive_ns: int, last_done_ns: int, returned_ns: int) -> None:
         self.rounds += 1
+        self.window_s += max(0, receive_ns - first_tokens_ns) * 1e-9
         self.late_s += max(0, last_done_ns - receive_ns) * 1e-9
         self.notice_s += max(0, returned_ns - max(last_done_ns, receive_ns)) * 1e-9
 
@@ -304,6 +310,7 @@ class MaskProcesses:
         refused: list[tuple[SequenceGrammar, int, str]] = []
         restarted: set[int] = set()
         receive_ns = last_done_ns = time.monotonic_ns()
+        first_tokens_ns = receive_ns
         times = self.times
         for (index, seq), keys in zip(sent, consumed):
             worker = self._workers[index]
@@ -314,15 +321,17 @@ class MaskProcesses:
                 self._restart(index)
                 restarted.add(index)
                 continue
-            done_ns = worker.control.done_ns
-            times.add(worker.handed_ns, worker.control.started_ns, done_ns)
+            control = worker.control
+            done_ns = control.done_ns
+            times.add(worker.handed_ns, control.started_ns, control.tokens_ns, done_ns)
+            first_tokens_ns = min(first_tokens_ns, control.tokens_ns)
             last_done_ns = max(last_done_ns, done_ns)
             for i, accepted, error in replies:
                 grammar = worker.grammars.get(keys[i])
                 if grammar is not None:  # else its sequence has finished meanwhile
                     refused.append((grammar, accepted, error))
         if sent:
-            times.add_round(receive_ns, last_done_ns, time.monotonic_ns())
+            times.add_round(first_tokens_ns, receive_ns, last_done_ns, time.monotonic_ns())
         return refused, restarted
 
     @staticmethod

@@ -52,8 +52,10 @@ class Control(ctypes.Structure):
     _fields_ = [("seq", ctypes.c_uint64), ("half", ctypes.c_uint32), ("kind", ctypes.c_uint32),
                 ("_engine_pad", ctypes.c_char * 48),
                 ("done", ctypes.c_uint64), ("status", ctypes.c_uint32), ("sleeping", ctypes.c_uint32),
-                ("started_ns", ctypes.c_uint64), ("done_ns", ctypes.c_uint64),  # the last step's, monotonic clock
-                ("_worker_pad", ctypes.c_char * 32)]
+                # the last step's, monotonic clock: started, had its tokens (later than started only when it
+                # waited for the device's), done
+                ("started_ns", ctypes.c_uint64), ("tokens_ns", ctypes.c_uint64), ("done_ns", ctypes.c_uint64),
+                ("_worker_pad", ctypes.c_char * 24)]
 
 
 _FENCE = threading.Lock()
@@ -126,6 +128,7 @@ class Matchers:
         first = buffer * self.rows_per_buffer
         if on_device_tokens:
             consume = [(key, [self.device_token(first + batch_row)]) for key, _, batch_row in self.plan]
+            self.control.tokens_ns = time.monotonic_ns()
         else:
             consume = [(key, [self.tokens[first + row]]) for key, row, _ in self.plan]
         return self.step([], [], consume, [(key, row) for key, row, _ in self.plan], buffer)
@@ -194,7 +197,7 @@ def serve(conn: Connection, buffer: mmap.mmap) -> None:
             return
         if message is not None and message[0] == "stop":
             return
-        control.started_ns = time.monotonic_ns()
+        control.started_ns = control.tokens_ns = time.monotonic_ns()
         try:
             if message is None:
                 seq = control.seq

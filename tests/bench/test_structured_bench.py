@@ -84,3 +84,27 @@ def test_the_mask_fill_scaling_probe_walks_the_schema(tmp_path) -> None:
     assert json.loads(out.read_text()) == result
     assert [run["threads"] for run in result["runs"]] == [1, 2] and result["cpu"]["affinity"] >= 1
     assert all(run["fill_ms_mean"] > 0 and run["consume_ms_mean"] > 0 for run in result["runs"])
+
+
+def test_the_gpu_timeline_is_refused_without_cuda(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        structured.parse_args(["--device", "cpu", "--gpu-timeline"])
+    assert "--gpu-timeline" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_gpu_timelines_phases_add_up_to_the_step(tmp_path) -> None:
+    """bench/gpu_timeline.py on the GPU: the five phases of a step, by the GPU's clock, sum to its period."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = write_tiny_model_with_smollm2_tokenizer(tmp_path)
+    result = structured.main(["--model", model, "--device", "cuda", "--batch", "4", "--prompt-len", "8",
+                              "--output-len", "24", "--repeats", "1", "--max-model-len", "64", "--gpu-timeline"])
+    for mode in ("unconstrained", "constrained"):
+        [run] = result["runs"][mode]
+        assert run["timeline_steps"] >= 15
+        phases = sum(run[f"gpu_{p}_mean"] for p in ("forward_ms", "host_before_masks_ms", "masks_wait_ms",
+                                                     "sampling_ms", "launch_gap_ms"))
+        assert phases == pytest.approx(run["gpu_step_ms_mean"], rel=0.15)
+        assert all(run[key] >= 0 for key in run if key.startswith("gpu_"))
+    assert set(result["gpu_timeline"]) == {"unconstrained", "constrained"}
