@@ -80,6 +80,12 @@ def _uses_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """The row's token is the argmax of its logits as they are, and no logprobs are asked of them."""
+    return (params.temperature == 0.0 and not params.logit_bias and not _uses_penalties(params)
+            and params.logprobs is None)
+
+
 def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.float32, device)
 
@@ -207,12 +213,15 @@ class Sampler:
                      bitmask: TokenBitmask | None = None) -> torch.Tensor:
         """One token id per row, left on the logits' device (nothing waits for the GPU). `bitmask`: the structured
         outputs' masks of some rows, applied to the logits in place first (so the logprobs of those rows are over
-        the tokens their grammar allows)."""
+        the tokens their grammar allows); where every row is plain greedy, one masked argmax instead, which leaves
+        the logits as they are."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected shape [{len(rows)}, V], got {tuple(logits.shape)}")
+        params = [r.params for r in rows]
+        if bitmask is not None and all(_plain_greedy(p) for p in params):
+            return ops.masked_argmax(logits, bitmask.words, bitmask.mask_of_row)  # nothing reads the logits after
         if bitmask is not None:
             ops.apply_token_bitmask_(logits, bitmask.words, bitmask.rows)
-        params = [r.params for r in rows]
         if any(p.logit_bias for p in params):
             logits = add_logit_bias(logits, params)  # a copy: the logprobs stay those of the raw distribution
         if any(_uses_penalties(p) for p in params):

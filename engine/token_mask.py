@@ -3,7 +3,7 @@
 A mask needs every earlier token of its sequence: the runner asks for a step's masks when it samples the step, which
 is after the previous step's tokens have been read on the host (with async scheduling too: LLMEngine.step reads
 them before it samples the step it has just launched). The masks are filled by llguidance's thread pool into one
-pinned buffer, copied to the logits' device at once; the sampler then bans the masked tokens of the constrained rows
+pinned buffer, copied to the logits' device at once (on a stream of its own, beside the forward pass); the sampler then bans the masked tokens of the constrained rows
 only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
 parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
@@ -38,10 +38,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class TokenBitmask:
-    """rows [K] int64: the logits rows to mask; words [K, W] int32: bit j of word w allows token 32 * w + j."""
+    """rows [K] int64: the logits rows to mask; words [K, W] int32: bit j of word w allows token 32 * w + j;
+    mask_of_row [N] int32: for each logits row of the step, its row of words (-1: none), for kernels.masked_argmax."""
 
     rows: torch.Tensor
     words: torch.Tensor
+    mask_of_row: torch.Tensor
 
 
 @dataclass
@@ -83,7 +85,7 @@ class _Steady:
     rows: list[int]
     ahead: _Ahead
     served: bool = False  # for_step took `ahead` for the same batch: the next hand-over may be steady
-    device_rows: torch.Tensor | None = None
+    device_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # TokenBitmask's rows and mask_of_row
     words: dict[int, torch.Tensor] = field(default_factory=dict)  # the buffer's halves, cut to len(rows)
 
     def same_batch(self, seqs: SequenceOf[Sequence]) -> bool:
@@ -111,8 +113,10 @@ class TokenMasker:
         self.hand_over_from_device = True  # a steady step's tokens go to the mask processes from the device
         self._steady: _Steady | None = None
         self._half = 0  # the half of the processes' buffer the next round trip ahead fills
-        self._rows_key: tuple[int, ...] = ()  # the logits rows of the last masks, and the device tensor of them
-        self._rows: torch.Tensor | None = None
+        # the logits rows of the last masks and the step's number of rows, and their device tensors (_device_rows)
+        self._rows_key: tuple[tuple[int, ...], int] = ((), 0)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device (_on_device)
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
         # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
         # after each included), steps with masks, rows, rows the worker had ready; with mask processes, the engine
@@ -164,8 +168,8 @@ class TokenMasker:
             words, num_ahead = self._assemble_in_processes(pool, constrained_seqs, ahead)
         else:
             words, num_ahead = self._assemble(constrained_seqs, ahead)
-        bitmask = TokenBitmask(self._device_rows(tuple(row for row, _ in constrained)),
-                               words.to(self.device, non_blocking=True))
+        rows, mask_of_row = self._device_rows(tuple(row for row, _ in constrained), len(seqs))
+        bitmask = TokenBitmask(rows, self._on_device(words), mask_of_row)
         self.seconds += time.perf_counter() - started
         self.steps += 1
         self.rows += len(constrained)
@@ -180,8 +184,9 @@ class TokenMasker:
             return None
         started = time.perf_counter()
         if steady.device_rows is None:
-            steady.device_rows = self._device_rows(tuple(steady.rows))
-        bitmask = TokenBitmask(steady.device_rows, steady.ahead.words.to(self.device, non_blocking=True))
+            steady.device_rows = self._device_rows(tuple(steady.rows), len(steady.seqs))
+        rows, mask_of_row = steady.device_rows
+        bitmask = TokenBitmask(rows, self._on_device(steady.ahead.words), mask_of_row)
         steady.served = True
         self.seconds += time.perf_counter() - started
         self.steps += 1
@@ -222,14 +227,33 @@ class TokenMasker:
         the copies that read it are done)."""
         return torch.empty((num_rows, mask_words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
-    def _device_rows(self, rows: tuple[int, ...]) -> torch.Tensor:
-        """The logits rows of a step's masks on the device; the last step's tensor when they are the same rows (a
-        steady batch), which the kernels only read."""
-        if rows != self._rows_key or self._rows is None:
-            host = torch.tensor(rows, dtype=torch.int64)
+    def _on_device(self, words: torch.Tensor) -> torch.Tensor:
+        """The masks on the logits' device. On CUDA they are copied on a stream of their own, so the copy runs beside
+        the forward pass queued before the sampler rather than after it (the host has the masks long before the
+        GPU needs them when the step is GPU-bound); the sampler's stream waits for the copy."""
+        if self.device.type != "cuda":
+            return words.to(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            on_device = words.to(self.device, non_blocking=True)
+        sampler_stream = torch.cuda.current_stream(self.device)
+        sampler_stream.wait_stream(self._copy_stream)
+        on_device.record_stream(sampler_stream)  # its block is not reused before the sampler has read it
+        return on_device
+
+    def _device_rows(self, rows: tuple[int, ...], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """TokenBitmask's rows and mask_of_row on the device for a step of num_rows logits rows; the last step's
+        tensors when they are the same (a steady batch), which the kernels only read."""
+        key = (rows, num_rows)
+        if key != self._rows_key or self._rows is None:
+            mask_of_row = [-1] * num_rows
+            for k, row in enumerate(rows):
+                mask_of_row[row] = k
+            host = (torch.tensor(rows, dtype=torch.int64), torch.tensor(mask_of_row, dtype=torch.int32))
             if self.device.type == "cuda":
-                host = host.pin_memory()
-            self._rows_key, self._rows = rows, host.to(self.device, non_blocking=True)
+                host = tuple(t.pin_memory() for t in host)
+            self._rows_key, self._rows = key, tuple(t.to(self.device, non_blocking=True) for t in host)
         return self._rows
 
     def start_ahead(self, tokens: DeferredTokens) -> None:

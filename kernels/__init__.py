@@ -32,6 +32,7 @@ __all__ = [
     "linear",
     "linear_silu_and_mul",
     "lora_add_",
+    "masked_argmax",
     "lora_add_silu_and_mul",
     "norm_project_add",
     "paged_attention",
@@ -123,6 +124,14 @@ def apply_token_bitmask_(logits: torch.Tensor, words: torch.Tensor, rows: torch.
     if ops := _triton_for(logits):
         return ops.token_bitmask.apply_token_bitmask_(logits, words, rows)
     return _ref.apply_token_bitmask_(logits, words, rows)
+
+
+def masked_argmax(logits: torch.Tensor, words: torch.Tensor, mask_of_row: torch.Tensor) -> torch.Tensor:
+    """argmax(logits) after apply_token_bitmask_ (words[mask_of_row[i]] masks row i; -1: no mask), in one pass that
+    leaves logits as they are."""
+    if ops := _triton_for(logits):
+        return ops.argmax.masked_argmax(logits, words, mask_of_row)
+    return _ref.masked_argmax(logits, words, mask_of_row)
 
 
 def argmax_candidates(x: torch.Tensor, offset: int, width: int) -> torch.Tensor:

@@ -77,3 +77,18 @@ def check_token_bitmask(logits: torch.Tensor, words: torch.Tensor, rows: torch.T
                          f"{words.dtype} {tuple(words.shape)} and {rows.dtype} {tuple(rows.shape)}")
     if words.shape[0] != rows.shape[0] or words.device != logits.device or rows.device != logits.device:
         raise ValueError("apply_token_bitmask_: one words row per row index, all on the logits' device")
+
+
+def check_masked_argmax(logits: torch.Tensor, words: torch.Tensor, mask_of_row: torch.Tensor) -> None:
+    """masked_argmax: logits [N, V > 0] float; words [K, W] int32 as check_token_bitmask's; mask_of_row [N] int32,
+    the row of words of each logits row (-1: none). The values of mask_of_row are not checked (on the device)."""
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
+        raise ValueError(f"masked_argmax: float logits [N, V] with V > 0 expected, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if words.dim() != 2 or words.dtype != torch.int32:
+        raise ValueError(f"masked_argmax: words [K, W] int32 expected, got {words.dtype} {tuple(words.shape)}")
+    if mask_of_row.dtype != torch.int32 or mask_of_row.shape != (logits.shape[0],):
+        raise ValueError(f"masked_argmax: mask_of_row [{logits.shape[0]}] int32 expected, got {mask_of_row.dtype} "
+                         f"{tuple(mask_of_row.shape)}")
+    if words.device != logits.device or mask_of_row.device != logits.device:
+        raise ValueError("masked_argmax: logits, words and mask_of_row on one device")

@@ -22,6 +22,7 @@ from kernels.formats import (
     STEP_HEADER_WORDS,
     check_candidate_inputs,
     check_candidates,
+    check_masked_argmax,
     check_step_buffers,
     check_token_bitmask,
     step_tables_offset,
@@ -69,6 +70,16 @@ def apply_token_bitmask_(logits: torch.Tensor, words: torch.Tensor, rows: torch.
     if allowed.shape[1] < vocab:
         allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def masked_argmax(logits: torch.Tensor, words: torch.Tensor, mask_of_row: torch.Tensor) -> torch.Tensor:
+    """argmax(logits) after apply_token_bitmask_ of words[mask_of_row[i]] on each row i with mask_of_row[i] >= 0,
+    without writing logits."""
+    check_masked_argmax(logits, words, mask_of_row)
+    rows = (mask_of_row >= 0).nonzero().flatten()
+    masked = logits.clone()
+    apply_token_bitmask_(masked, words[mask_of_row[rows].long()], rows)
+    return argmax(masked)
 
 
 def check_embedding_inputs(ids: torch.Tensor, weight: torch.Tensor) -> None:

@@ -4,7 +4,11 @@ that picks among the chunks. torch.argmax reduces a row of 128k logits in one th
 the chunks spread it over the SMs. Under tensor parallelism each rank's chunks of its vocabulary shard are the
 candidates the ranks exchange (argmax_candidates), and one program a row picks among all of them.
 
-Ties go to the lowest index and NaN counts as larger than any number, as in torch.argmax."""
+Ties go to the lowest index and NaN counts as larger than any number, as in torch.argmax.
+
+masked_argmax is the argmax of the logits after kernels.apply_token_bitmask_ (structured outputs), in the same two
+passes: each chunk reads its row's mask words and skips the banned tokens, so the logits are neither written nor
+read twice and the step launches one kernel fewer. A row without a mask reads none."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, wait_for_earlier_kernels
-from kernels.formats import ARGMAX_CHUNK, check_candidate_inputs, check_candidates
+from kernels.formats import ARGMAX_CHUNK, check_candidate_inputs, check_candidates, check_masked_argmax
 
 CHUNK = ARGMAX_CHUNK
 
@@ -29,15 +33,35 @@ def chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def masked_chunk_best(x_ptr, row, chunk, V, stride_x, mask_of_row_ptr, words_ptr, W, BLOCK: tl.constexpr):
+    """chunk_best over the tokens the row's mask allows (mask_of_row[row] is its row of words, -1 for none: every
+    token allowed); bit j of word w allows token 32 * w + j, tokens past the words are banned."""
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    k = tl.load(mask_of_row_ptr + row) + tl.zeros_like(cols)  # the row's mask, per column
+    word = cols // 32
+    words = tl.load(words_ptr + k.to(tl.int64) * W + word, mask=(k >= 0) & (cols < V) & (word < W), other=0)
+    banned = (k >= 0) & (((words >> (cols % 32)) & 1) == 0)
+    x = tl.where(banned, float("-inf"), x)
+    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return best, chunk * BLOCK + at
+
+
+@triton.jit
 def _chunk_argmax_kernel(
-    x_ptr, values_ptr, indices_ptr, V, stride_x, num_chunks,
+    x_ptr, values_ptr, indices_ptr, V, stride_x, num_chunks, mask_of_row_ptr, words_ptr, W,
     BLOCK: tl.constexpr,
+    MASKED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_earlier_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    best, at = chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
+    if MASKED:
+        best, at = masked_chunk_best(x_ptr, row, chunk, V, stride_x, mask_of_row_ptr, words_ptr, W, BLOCK)
+    else:
+        best, at = chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK)
     tl.store(values_ptr + row * num_chunks + chunk, best)
     tl.store(indices_ptr + row * num_chunks + chunk, at)
 
@@ -61,6 +85,18 @@ def argmax(x: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     """x [N, V] (any float dtype) -> [N] int64, the index of each row's largest value."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax: logits [N, V] with V > 0 expected, got shape {tuple(x.shape)}")
+    return _argmax(x, chunk, None)
+
+
+def masked_argmax(x: torch.Tensor, words: torch.Tensor, mask_of_row: torch.Tensor, *, chunk: int = CHUNK
+                  ) -> torch.Tensor:
+    """kernels.reference.masked_argmax: x [N, V] float, words [K, W] int32, mask_of_row [N] int32 (a row of words,
+    or -1) -> [N] int64; x is not written."""
+    check_masked_argmax(x, words, mask_of_row)
+    return _argmax(x, chunk, (words.contiguous(), mask_of_row.contiguous()))
+
+
+def _argmax(x: torch.Tensor, chunk: int, masks: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, vocab = x.shape
@@ -70,8 +106,10 @@ def argmax(x: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab, chunk)
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=x.device)
-    _chunk_argmax_kernel[(rows, num_chunks)](x, values, indices, vocab, x.stride(0), num_chunks, BLOCK=chunk,
-                                             num_warps=8, **launch_options(x))
+    words, mask_of_row = masks if masks is not None else (indices, indices)  # not read without MASKED
+    _chunk_argmax_kernel[(rows, num_chunks)](x, values, indices, vocab, x.stride(0), num_chunks, mask_of_row, words,
+                                             words.shape[1] if masks is not None else 0, BLOCK=chunk,
+                                             MASKED=masks is not None, num_warps=8, **launch_options(x))
     _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
                                 num_warps=1, **launch_options(x))
     return out

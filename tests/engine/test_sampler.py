@@ -268,3 +268,42 @@ def test_exact_thresholds_keep_boundary_tokens() -> None:
     # min_p = 1: every token whose probability equals the maximum stays
     assert set(sample_many(uniform, SamplingParams(min_p=1.0), n=400).tolist()) == {0, 1, 2, 3}
     assert set(sample_many(LOGITS, SamplingParams(min_p=1.0), n=100).tolist()) == {0}
+
+
+def _bitmask(num_rows: int, vocab: int, masked_rows: list[int], seed: int):
+    from engine.token_mask import TokenBitmask
+
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(len(masked_rows), -(-vocab // 32) * 32, generator=gen) < 0.2
+    packed = (allowed.view(len(masked_rows), -1, 32).long() << torch.arange(32)).sum(-1)
+    words = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    mask_of_row = torch.full((num_rows,), -1, dtype=torch.int32)
+    mask_of_row[masked_rows] = torch.arange(len(masked_rows), dtype=torch.int32)
+    return TokenBitmask(torch.tensor(masked_rows), words, mask_of_row), allowed[:, :vocab]
+
+
+def test_a_greedy_batchs_masks_pick_the_argmax_of_the_allowed_tokens_and_leave_the_logits() -> None:
+    """Every row plain greedy: one masked argmax, the logits untouched; the tokens are those of masking by hand."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    bitmask, allowed = _bitmask(5, 300, [3, 0], seed=2)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), (), ()) for _ in range(5)]
+    before = logits.clone()
+    tokens = Sampler().token_tensor(logits, rows, bitmask).tolist()
+    by_hand = before.clone()
+    by_hand[3] = by_hand[3].masked_fill(~allowed[0], float("-inf"))
+    by_hand[0] = by_hand[0].masked_fill(~allowed[1], float("-inf"))
+    assert tokens == by_hand.argmax(dim=-1).tolist() and torch.equal(logits, before)
+
+
+def test_masks_with_logprobs_mask_the_logits_the_logprobs_are_taken_over() -> None:
+    """A row asking for logprobs: the masks go into the logits first, so its logprob is over the allowed tokens."""
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    bitmask, allowed = _bitmask(2, 300, [1], seed=4)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), (), ()),
+            SamplingRow(SamplingParams(temperature=0.0, logprobs=5), (), ())]
+    out = Sampler()(logits, rows, bitmask)
+    masked = before[1].masked_fill(~allowed[0], float("-inf"))
+    assert out.token_ids == [int(before[0].argmax()), int(masked.argmax())]
+    assert out.logprobs[1].logprob == pytest.approx(float(torch.log_softmax(masked, -1)[out.token_ids[1]]), abs=1e-5)
+    assert torch.equal(logits[1], masked) and torch.equal(logits[0], before[0])

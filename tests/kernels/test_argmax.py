@@ -116,3 +116,69 @@ def test_shard_candidates_at_the_lm_head_width() -> None:
     got = kernels.pick_argmax_candidate(stacked)
     assert got.dtype == torch.int64 and torch.equal(got, full.float().argmax(dim=-1))
     assert got[1:4].tolist() == [100, 70000, 128255]
+
+
+def _masks(gen: torch.Generator, num_masks: int, vocab: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random allowed sets packed as llguidance writes them, `words` wide (narrower than the vocabulary bans the
+    rest), and the same as bool [K, V]."""
+    allowed = torch.rand(num_masks, words * 32, generator=gen) < 0.1
+    packed = (allowed.view(num_masks, words, 32).long() << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    full = torch.zeros(num_masks, vocab, dtype=torch.bool)
+    full[:, :min(vocab, words * 32)] = allowed[:, :vocab]
+    return packed, full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab", "words"), [(4, 37, 2), (6, 1000, 32), (5, 1027, 30), (3, 700, 40)])
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(device, dtype, rows, vocab, words) -> None:
+    """Against the logits masked bit by bit and torch.argmax (and the reference op): rows without a mask, masks in
+    any order, masks narrower than the vocabulary; the logits are not written."""
+    from kernels import reference
+    from kernels.row_argmax import masked_argmax
+
+    gen = torch.Generator().manual_seed(rows * vocab + words)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    packed, allowed = _masks(gen, 2, vocab, words)
+    mask_of_row = torch.full((rows,), -1, dtype=torch.int32)
+    mask_of_row[rows - 1], mask_of_row[0] = 0, 1
+    expected = logits.float().clone()
+    for row in range(rows):
+        if mask_of_row[row] >= 0:
+            expected[row] = expected[row].masked_fill(~allowed[mask_of_row[row]], float("-inf"))
+    before = logits.clone()
+    got = masked_argmax(logits.to(device), packed.to(device), mask_of_row.to(device), chunk=256)
+    assert torch.equal(got.cpu(), expected.argmax(dim=-1))
+    assert torch.equal(reference.masked_argmax(logits, packed, mask_of_row), expected.argmax(dim=-1))
+    assert torch.equal(logits, before)
+
+
+def test_masked_argmax_bans_nan_and_checks_its_inputs(device) -> None:
+    from kernels.row_argmax import masked_argmax
+
+    logits = torch.randn(2, 600, device=device)
+    logits[:, 450] = float("nan")  # largest, unless the mask bans it
+    words = torch.zeros(1, 19, dtype=torch.int32)
+    words[0, 3] = 1 << 5  # token 101 alone
+    mask_of_row = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    assert masked_argmax(logits, words.to(device), mask_of_row, chunk=256).tolist() == [101, 450]
+    with pytest.raises(ValueError, match="mask_of_row"):
+        masked_argmax(logits, words.to(device), mask_of_row.long())
+    with pytest.raises(ValueError, match="words"):
+        masked_argmax(logits, words.to(device).long(), mask_of_row)
+
+
+@pytest.mark.gpu
+def test_kernels_masked_argmax_at_the_lm_head_width() -> None:
+    import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 128256, generator=gen).to(torch.bfloat16)
+    packed, _ = _masks(gen, 32, 128256, 4008)
+    mask_of_row = torch.full((64,), -1, dtype=torch.int32)
+    mask_of_row[::2] = torch.arange(32, dtype=torch.int32)
+    expected = logits.float().clone()
+    rows = torch.arange(0, 64, 2)
+    kernels.reference.apply_token_bitmask_(expected, packed, rows)
+    got = kernels.masked_argmax(logits.cuda(), packed.cuda(), mask_of_row.cuda())
+    assert torch.equal(got.cpu(), expected.argmax(dim=-1))
