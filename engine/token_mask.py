@@ -3,8 +3,9 @@
 A mask needs every earlier token of its sequence: the runner asks for a step's masks when it samples the step, which
 is after the previous step's tokens have been read on the host (with async scheduling too: LLMEngine.step reads
 them before it samples the step it has just launched). The masks are filled by llguidance's thread pool into one
-pinned buffer, copied to the logits' device at once (on a stream of its own, beside the forward pass); the sampler then bans the masked tokens of the constrained rows
-only (kernels.apply_token_bitmask_), so the other rows of the step cost nothing more. The pool fills rows in
+pinned buffer, copied to the logits' device at once (on a stream of its own, beside the forward pass); the sampler
+then bans the masked tokens of the constrained rows only (kernels.apply_token_bitmask_, or inside the argmax of a
+plain greedy step: kernels.masked_argmax), so the other rows of the step cost nothing more. The pool fills rows in
 parallel only where their matchers have different lexers (engine/grammar.py's CompiledGrammar spreads them).
 
 With async scheduling the work starts a step early: once a step's tokens are sampled on the device (start_ahead),
