@@ -43,7 +43,6 @@ class GpuTimeline:
         self._active = False
         self.steps: list[dict[str, tuple[torch.cuda.Event, float]]] = []
         self._reference: tuple[torch.cuda.Event, float] | None = None
-        self._wrapped: list[tuple[Any, str]] = []
         self._wrap(runner, "run_model", "forward_start", "forward_end")
         self._wrap(runner.token_masker, "for_step", "masks_asked", None)
         self._wrap(runner.sampler, "token_tensor", "sampling_start", "sampling_end")
@@ -59,7 +58,6 @@ class GpuTimeline:
             return out
 
         setattr(owner, name, timed)
-        self._wrapped.append((owner, name))
 
     @property
     def active(self) -> bool:
@@ -84,12 +82,6 @@ class GpuTimeline:
         if name == "forward_start" or not self.steps:
             self.steps.append({})
         self.steps[-1][name] = self._event_now()
-
-    def remove(self) -> None:
-        """The runner's own methods back."""
-        for owner, name in self._wrapped:
-            delattr(owner, name)
-        self._wrapped = []
 
     def summary(self) -> dict[str, float]:
         """Each phase's median and mean in ms over the steps that recorded every mark (and, for the launch gap, whose
