@@ -23,13 +23,24 @@ CHUNK = ARGMAX_CHUNK
 
 
 @triton.jit
+def chunk_values(x_ptr, row, cols, V, stride_x):
+    """A row's values at `cols` in float32, NaN as +inf and columns past V as -inf."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    return tl.where(x != x, float("inf"), x)
+
+
+@triton.jit
+def best_of(x, chunk, BLOCK: tl.constexpr):
+    """The largest of a chunk's values and the first column that holds it."""
+    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return best, chunk * BLOCK + at
+
+
+@triton.jit
 def chunk_best(x_ptr, row, chunk, V, stride_x, BLOCK: tl.constexpr):
     """The largest value of columns chunk * BLOCK .. + BLOCK of a row (NaN as +inf) and its first column."""
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
-    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    return best, chunk * BLOCK + at
+    return best_of(chunk_values(x_ptr, row, cols, V, stride_x), chunk, BLOCK)
 
 
 @triton.jit
@@ -37,15 +48,11 @@ def masked_chunk_best(x_ptr, row, chunk, V, stride_x, mask_of_row_ptr, words_ptr
     """chunk_best over the tokens the row's mask allows (mask_of_row[row] is its row of words, -1 for none: every
     token allowed); bit j of word w allows token 32 * w + j, tokens past the words are banned."""
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
     k = tl.load(mask_of_row_ptr + row) + tl.zeros_like(cols)  # the row's mask, per column
     word = cols // 32
     words = tl.load(words_ptr + k.to(tl.int64) * W + word, mask=(k >= 0) & (cols < V) & (word < W), other=0)
     banned = (k >= 0) & (((words >> (cols % 32)) & 1) == 0)
-    x = tl.where(banned, float("-inf"), x)
-    best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    return best, chunk * BLOCK + at
+    return best_of(tl.where(banned, float("-inf"), chunk_values(x_ptr, row, cols, V, stride_x)), chunk, BLOCK)
 
 
 @triton.jit
