@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-device-hand-over", action="store_true",
                    help="a steady step's tokens reach the mask processes through the engine thread, not straight "
                         "from the device, for an A/B on one machine")
+    p.add_argument("--host-waits-for-masks", action="store_true",
+                   help="the engine thread waits for a steady step's masks before it launches the sampling, instead "
+                        "of the GPU waiting for them, for an A/B on one machine")
     p.add_argument("--gpu-timeline", action="store_true",
                    help="CUDA events at five points of each timed step: each phase's time by the GPU's clock and the "
                         "host's (bench/gpu_timeline.py)")
@@ -128,6 +131,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         masker.seconds, masker.ahead_seconds, masker.native_seconds, masker.steps, masker.rows, masker.rows_ahead,
         masker.send_seconds, masker.collect_seconds)
     steady_steps, early, from_device = masker.steps_steady, masker.hand_overs_early, masker.hand_overs_from_device
+    waited = masker.steps_waited_on_device
     pool = engine.grammars.pool
     times = dataclasses.replace(pool.times) if pool is not None else None
     profiler = cProfile.Profile() if profile else None
@@ -156,6 +160,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             "steady_steps": (masker.steps_steady - steady_steps) / masked if masked else 0.0,
             "hand_overs_early": (masker.hand_overs_early - early) / masked if masked else 0.0,
             "hand_overs_from_device": (masker.hand_overs_from_device - from_device) / masked if masked else 0.0,
+            "steps_waited_on_device": (masker.steps_waited_on_device - waited) / masked if masked else 0.0,
             **process_times(pool, times),
             "rows_ahead": (masker.rows_ahead - rows_ahead) / max(1, masker.rows - mask_rows),
             "mask_ms_per_step": (masker.seconds - mask_seconds) / masked * 1e3 if masked else 0.0,
@@ -215,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.late_hand_over:
         llm.engine._hand_over_early = lambda previous: None  # the engine's own tokens_read after reading stays
     masker.hand_over_from_device = not args.no_device_hand_over
+    masker.masks_waited_on_device = not args.host_waits_for_masks
     if args.mask_spin is not None:
         llm.engine.grammars.spin_s = args.mask_spin  # read when the first structured request starts the processes
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else llm.engine.model_config.vocab_size
@@ -265,9 +271,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steady_steps": best["constrained"]["steady_steps"],
         "hand_overs_early": best["constrained"]["hand_overs_early"],
         "hand_overs_from_device": best["constrained"]["hand_overs_from_device"],
+        "steps_waited_on_device": best["constrained"]["steps_waited_on_device"],
         "switch_interval_s": sys.getswitchinterval(), "mask_threads": masker.threads,
         "mask_processes": llm.engine.grammars.processes, "mask_spin_s": mask_spin_s(llm),
         "late_hand_over": args.late_hand_over, "device_hand_over": not args.no_device_hand_over,
+        "masks_waited_on_device": not args.host_waits_for_masks,
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "gpu_timeline": timeline_medians(runs) if timeline else None,
         "runs": runs,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -97,6 +98,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = pool
+        self.before_capture: Callable[[], None] | None = None  # runs before a capture waits for the device
         self.num_replays = 0
 
     @property
@@ -151,6 +153,8 @@ class DecodeGraphs:
         if self.lora is not None:
             self.lora.stage(None, bs * self.q)  # the warm-up's rows: no adapter
         self._forward(bs, width, lora_form)  # warm-up: Triton compiles and autotunes outside the capture
+        if self.before_capture is not None:
+            self.before_capture()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (a tokenizer, an adapter load) may use CUDA meanwhile

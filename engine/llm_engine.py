@@ -246,6 +246,7 @@ class LLMEngine:
         self._hand_over_early(previous)  # the last step's sampling often ends while this one schedules
         launched = self._launch(batch, previous)
         self.in_flight = None  # kept until here, so a step that failed to launch leaves it for the next one
+        self.runner.token_masker.forward_launched()  # before the host waits for the device (token_mask.py)
         if previous is not None:
             sampled = previous.read()
             self.runner.token_masker.tokens_read(previous)  # if they were not on the host before

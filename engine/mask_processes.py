@@ -17,8 +17,13 @@ A steady step's tokens need not wait for the engine thread at all: send_steady_f
 into the shared buffer right behind the sampling that made them (the buffer is registered with CUDA), and each
 worker starts its plan when its rows' tokens land there, while the engine thread is still busy with the step before.
 
+The GPU may also wait for the masks itself (wait_on_device): the copy of a round's masks to the device is queued
+behind a wait on each worker's `done` counter (engine/stream_ops.py), so the engine thread launches the
+sampling and goes on while the workers finish, and collects their replies (receive()) later.
+
 A process that dies (killed, out of memory) is started again, and its sequences' matchers are rebuilt there from
-their tokens: TokenMasker catches them up like any sequence whose matcher is behind."""
+their tokens: TokenMasker catches them up like any sequence whose matcher is behind. Its successor counts steps on
+from where it left off, so the step a GPU may be waiting for is the successor's next one."""
 
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.mask_worker import NO_TOKEN, READ_MESSAGE, RUN_PLAN, RUN_PLAN_ON_DEVICE_TOKENS, STATUS_REPLY, Control, fence
+from engine.stream_ops import stream_ops
 
 if TYPE_CHECKING:
     from engine.grammar import SequenceGrammar
@@ -50,6 +56,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mask_worker.p
 DEFAULT_PROCESSES = 4  # on a CUDA device with the cores: the constrained step measured fastest with 4 (16-core host)
 SPIN_S = 0.05  # how long a worker spins after a step before it sleeps, where the machine has the cores
 LIVENESS_CHECK_S = 0.002  # while the engine thread waits for a worker, it looks this often whether it died
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: the device can address the buffer (the counters it waits on)
 
 
 def spin_seconds(num_processes: int) -> float:
@@ -134,9 +141,17 @@ class MaskProcesses:
                                                offset=device_tokens_offset).view(2, rows)
         self._device_slots: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}  # (half, batch rows) -> slots
         self._registered = False
+        self.stream_ops = None  # the driver's stream operations, where the GPU can wait on the workers' counters
+        self._done_on_device: list[int] = []  # each worker's `done` counter, as the device addresses it
+        self._device_waits = False  # a wait_on_device was queued: close() lets the device pass it
         if device.type == "cuda":
-            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), tokens_offset, 0)
+            torch.cuda.cudart().cudaHostRegister(self._words.data_ptr(), nbytes, _HOST_REGISTER_MAPPED)
             self._registered = True
+            self.stream_ops = stream_ops()
+            if self.stream_ops is not None:
+                base = self.stream_ops.device_address(self._words.data_ptr())
+                self._done_on_device = [base + control_offset + i * ctypes.sizeof(Control) + Control.done.offset
+                                        for i in range(num_processes)]
         self._keys = itertools.count()
         self._lock = threading.Lock()  # drops may come from any thread (a sequence's last reference)
         self._workers = [self._spawn(i) for i in range(num_processes)]
@@ -155,12 +170,14 @@ class MaskProcesses:
         """[rows, mask_words] int32 on the host, pinned for a CUDA device."""
         return self._words[half]
 
-    def _spawn(self, index: int) -> _Worker:
-        """A worker started and sent its set-up; its reply is still to be read. Its own session: a Ctrl-C meant for
-        the engine does not reach it, and it exits when the engine's end of the socket closes."""
+    def _spawn(self, index: int, seq: int = 0) -> _Worker:
+        """A worker started and sent its set-up, its steps counted on from `seq` (done); its reply is still to be
+        read. Its own session: a Ctrl-C meant for the engine does not reach it, and it exits when the engine's end
+        of the socket closes."""
         control_offset = self._control_offset + index * ctypes.sizeof(Control)
         control = Control.from_buffer(self._map, control_offset)
         ctypes.memset(ctypes.addressof(control), 0, ctypes.sizeof(Control))
+        control.seq = control.done = seq
         parent, child = socket.socketpair()
         process = subprocess.Popen([sys.executable, WORKER, str(child.fileno()), str(self._fd), str(len(self._map))],
                                    pass_fds=(child.fileno(), self._fd), stdin=subprocess.DEVNULL,
@@ -168,7 +185,7 @@ class MaskProcesses:
         child.close()
         conn = Connection(parent.detach())
         conn.send(("init", *self._setup, control_offset, self.spin_s))
-        return _Worker(process, conn, control)
+        return _Worker(process, conn, control, seq=seq)
 
     def assign(self, grammar: SequenceGrammar) -> None:
         """Gives the sequence's grammar to the worker holding the fewest; its matcher is made with the next message
@@ -260,20 +277,28 @@ class MaskProcesses:
         """Whether send_steady_from_device has a slot for each of a batch's rows."""
         return batch_rows <= self._rows
 
-    def send_steady_from_device(self, tokens: torch.Tensor, half: int) -> None:
+    def send_steady_from_device(self, tokens: torch.Tensor, half: int, staged: bool = False) -> None:
         """send_steady with the step's tokens still on the device (tokens[r]: the token of batch row r, as sampled):
-        their copy into the shared buffer is queued behind the sampling, and each worker runs its plan once its
-        rows' tokens have landed. Returns at once, before the device has them."""
+        their copy into the shared buffer is queued behind the sampling (unless `staged`: stage_device_tokens did),
+        and each worker runs its plan once its rows' tokens have landed. Returns at once, before the device has
+        them."""
         assert not self._sent and self._last_plans, "receive() the last round trip first, after a send_ahead"
+        if not staged:
+            self.stage_device_tokens(tokens, half)
+        self._run_plans(half, RUN_PLAN_ON_DEVICE_TOKENS)
+
+    def stage_device_tokens(self, tokens: torch.Tensor, half: int) -> None:
+        """The copy of a steady step's tokens from the device into the half's slots, queued now (behind the sampling
+        that makes them), for a send_steady_from_device that may come after the round trip under way is received.
+        That round trip must use the other half."""
         assert self.takes_from_device(tokens.numel())
         found = self._device_slots.get((half, tokens.numel()))
         if found is None:
             slots = self._device_tokens[half, : tokens.numel()]
             found = self._device_slots[half, tokens.numel()] = (slots, slots.data_ptr(), slots.nbytes)
         slots, address, nbytes = found
-        ctypes.memset(address, NO_TOKEN & 0xFF, nbytes)  # nothing reads this half now: it was received
+        ctypes.memset(address, NO_TOKEN & 0xFF, nbytes)  # no worker reads this half's slots now
         slots.copy_(tokens, non_blocking=True)
-        self._run_plans(half, RUN_PLAN_ON_DEVICE_TOKENS)
 
     def _run_plans(self, half: int, kind: int) -> None:
         for index, keys in self._last_plans:
@@ -282,11 +307,12 @@ class MaskProcesses:
             self._sent_consume.append(keys)
 
     def send(self, consume: list[tuple[SequenceGrammar, list[int]]], fill: list[tuple[SequenceGrammar, int]],
-             half: int) -> None:
+             half: int, also: set[int] = frozenset()) -> None:
         """Each worker's share of the work: its grammars consume their tokens (in order), then write their masks
-        into buffer(half)[row]. Returns at once."""
+        into buffer(half)[row]. Workers in `also` are handed a step even with no share (a GPU waits for it).
+        Returns at once."""
         assert not self._sent, "receive() the last round trip first"
-        by_worker: dict[int, tuple[list, list, list]] = {}
+        by_worker: dict[int, tuple[list, list, list]] = {index: ([], [], []) for index in also}
         for grammar, tokens in consume:
             share = by_worker.setdefault(grammar.worker, ([], [], []))
             share[0].append((grammar.key, tokens))
@@ -299,6 +325,27 @@ class MaskProcesses:
             self._hand_over(index, ("step", *self._changes(worker), consume_items, fill_rows, half), half)
             self._sent.append((index, worker.seq))
             self._sent_consume.append(keys)
+
+    @property
+    def can_wait_on_device(self) -> bool:
+        """Whether wait_on_device can queue its waits (a CUDA device whose driver has stream memory operations)."""
+        return bool(self._done_on_device)
+
+    def wait_on_device(self, stream: int) -> None:
+        """Has `stream` wait until every worker of the round trip under way has done its step (its masks written),
+        so work queued on it next (the masks' copy) follows them (`stream`: a CUstream handle, as torch's
+        Stream.cuda_stream). receive() must still be called before the host waits for anything behind the stream:
+        it is what starts a dead worker again, whose successor's next step is the one the stream waits for."""
+        assert self.can_wait_on_device
+        for index, seq in self._sent:
+            self.stream_ops.wait_value(stream, self._done_on_device[index], seq)
+        self._device_waits = True
+
+    def release_device_waits(self) -> None:
+        """Lets the device pass every wait_on_device queued (the masks behind them may be stale): for stopping,
+        or giving up on workers that keep dying."""
+        for worker in self._workers:
+            worker.control.done = worker.seq
 
     def receive(self) -> tuple[list[tuple[SequenceGrammar, int, str]], set[int]]:
         """Waits for the round trip's replies: (grammar, tokens it accepted, the error of the first it did not) for
@@ -362,7 +409,7 @@ class MaskProcesses:
         old.conn.close()
         old.process.kill()
         old.process.wait()
-        worker = self._spawn(index)
+        worker = self._spawn(index, old.seq - 1)  # old.seq, the step it died in, is its successor's next
         self._reply(worker)
         worker.live = old.live
         for key, grammar in list(old.grammars.items()):
@@ -382,6 +429,13 @@ class MaskProcesses:
                 worker.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 worker.process.kill()
+                worker.process.wait()
+        if self._device_waits:  # the device must be past every wait before the counters go away
+            self.release_device_waits()
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError:  # the CUDA context is gone (interpreter exit) or broken: nothing waits any more
+                pass
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._words.data_ptr())
             self._registered = False

@@ -114,6 +114,9 @@ class ModelRunner:
                                        self.device)
             self.lora_graphs = self._lora_graphs()
             self.verify_graphs = self._verify_graphs()
+            for graphs in (self.graphs, self.lora_graphs, self.verify_graphs):
+                if graphs is not None:  # masks the GPU may wait for are collected before a capture waits for it
+                    graphs.before_capture = self.token_masker.wait
 
     def release_kv_cache(self) -> None:
         """Frees the KV pool and the graphs that point into it and at the weights (an engine going to sleep)."""
@@ -229,7 +232,7 @@ class ModelRunner:
         if step.path is TokenPath.DEFERRED:
             logits = self._constrained(step.logits, step.seqs)
             tokens = self.sampler.token_tensor(logits, self._sampling_rows(step.seqs),
-                                               self.token_masker.for_step(step.seqs))
+                                               self.token_masker.for_step(step.seqs, deferred=True))
             deferred = DeferredTokens(tokens, step.seqs)
             self.token_masker.start_ahead(deferred)  # the next step's masks, in a worker, once these reach the host
             return deferred

@@ -148,6 +148,7 @@ class EngineSleep:
     def _settle(self) -> None:
         """Reads a step still in flight (async scheduling leaves one after the last request finishes)."""
         engine = self.engine
+        engine.runner.token_masker.wait()  # masks the GPU may wait for, collected before this waits for the GPU
         if engine.in_flight is not None:
             engine.in_flight.tolist()
             engine.in_flight = None

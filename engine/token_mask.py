@@ -15,7 +15,14 @@ the tokens. The next step takes the rows whose matcher is still exactly where th
 others itself; when all of them are, in the same order, the worker's buffer is copied to the device as it is.
 Only the worker or the engine thread touches the matchers at any time: the engine thread waits for the worker
 before it does. The worker holds the GIL only between its three native calls (the wait for the tokens, consuming
-them, filling the masks): each time it takes the GIL back it may wait for the engine thread to let it go."""
+them, filling the masks): each time it takes the GIL back it may wait for the engine thread to let it go.
+
+With mask processes on a CUDA device, a steady step's masks are waited for by the GPU rather than the engine thread
+(for_step with `deferred`): their copy waits on the processes' counters (MaskProcesses.wait_on_device), the engine
+thread launches the sampling and goes on, and collects the round trip once it has launched the next forward pass
+(forward_launched), which is also when it hands the processes the tokens of the step it sampled (their copy from
+the device was queued behind the sampling). The engine must call forward_launched before it waits for the device
+in any way: a process that died holds the GPU until then, when its successor fills its rows."""
 
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class _Ahead:
     grammars: list[weakref.ref[SequenceGrammar]]
     num_consumed: list[int]
     words: torch.Tensor
+    half: int = -1  # with mask processes: the half of their buffer words is in
 
     def serves(self, seqs: SequenceOf[Sequence]) -> bool:
         """Whether row i is the mask seqs[i] needs now, for every i and no other row."""
@@ -112,12 +120,21 @@ class TokenMasker:
         self._in_processes: tuple[MaskProcesses, _Ahead,
                                   tuple[list[Sequence], list[int], list[int] | DeferredTokens]] | None = None
         self.hand_over_from_device = True  # a steady step's tokens go to the mask processes from the device
+        self.masks_waited_on_device = True  # the GPU, not the engine thread, waits for a steady step's masks
+        self._waited = False  # the round trip in the processes is one the GPU waits for: collect before the host does
+        self._staged = False  # _to_send's tokens are being copied to the processes from the device (start_ahead)
         self._steady: _Steady | None = None
         self._half = 0  # the half of the processes' buffer the next round trip ahead fills
         # the logits rows of the last masks and the step's number of rows, and their device tensors (_device_rows)
         self._rows_key: tuple[tuple[int, ...], int] = ((), 0)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device (_on_device)
+        # _upload_waited's: a device buffer per half of the mask processes' buffer, the pool they are for, the
+        # event behind each copy, and each copy's pointers by (pool, half, rows)
+        self._device_halves: list[torch.Tensor] = []
+        self._device_halves_of: MaskProcesses | None = None
+        self._copied: int | None = None
+        self._uploads: dict[tuple[int, int, int], tuple[torch.Tensor, int, int, int, int]] = {}
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
         # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
         # after each included), steps with masks, rows, rows the worker had ready; with mask processes, the engine
@@ -133,6 +150,7 @@ class TokenMasker:
         self.steps_steady = 0  # steps whose masks and hand-over took the steady path (_Steady)
         self.hand_overs_early = 0
         self.hand_overs_from_device = 0
+        self.steps_waited_on_device = 0
 
     @property
     def executor(self):
@@ -143,14 +161,18 @@ class TokenMasker:
             self._executor = llguidance.LLExecutor(self.threads)
         return self._executor
 
-    def for_step(self, seqs: SequenceOf[Sequence]) -> TokenBitmask | None:
-        """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any."""
+    def for_step(self, seqs: SequenceOf[Sequence], deferred: bool = False) -> TokenBitmask | None:
+        """The masks of the rows (one per sequence, in order) whose sequence follows a grammar; None without any.
+        `deferred`: the caller reads nothing the device computes with them before it calls forward_launched (the
+        GPU may wait for them)."""
         if self._to_send is not None:  # tokens_read was not called: they are read by now
             self._send_ahead()
+        elif self._waited:  # served, and no step's tokens came after it
+            self._collect()
         steady = self._steady
         if (steady is not None and self._in_processes is not None and self._in_processes[1] is steady.ahead
                 and steady.same_batch(seqs) and steady.pool.unchanged()):
-            bitmask = self._serve_steady(steady)
+            bitmask = self._serve_steady(steady, deferred)
             if bitmask is not None:
                 return bitmask
             ahead = steady.ahead  # collected, with a refusal or a process started again: checked row by row
@@ -177,17 +199,24 @@ class TokenMasker:
         self.rows_ahead += num_ahead
         return bitmask
 
-    def _serve_steady(self, steady: _Steady) -> TokenBitmask | None:
+    def _serve_steady(self, steady: _Steady, deferred: bool) -> TokenBitmask | None:
         """The steady step's masks: the round trip's buffer as it is (None if it booked a refusal or a process had
-        to be started again)."""
-        self._collect()
-        if self._steady is not steady:
-            return None
+        to be started again). With `deferred` on a device that can, the round trip is left to finish: the copy of
+        the buffer to the device waits for it there."""
+        waited = (deferred and self.masks_waited_on_device and self.device.type == "cuda"
+                  and steady.pool.can_wait_on_device)
+        if not waited:
+            self._collect()
+            if self._steady is not steady:
+                return None
         started = time.perf_counter()
         if steady.device_rows is None:
             steady.device_rows = self._device_rows(tuple(steady.rows), len(steady.seqs))
         rows, mask_of_row = steady.device_rows
-        bitmask = TokenBitmask(rows, self._on_device(steady.ahead.words), mask_of_row)
+        words = self._upload_waited(steady.ahead, steady.pool) if waited else self._on_device(steady.ahead.words)
+        bitmask = TokenBitmask(rows, words, mask_of_row)
+        self._waited = waited
+        self.steps_waited_on_device += waited
         steady.served = True
         self.seconds += time.perf_counter() - started
         self.steps += 1
@@ -234,14 +263,43 @@ class TokenMasker:
         GPU needs them when the step is GPU-bound); the sampler's stream waits for the copy."""
         if self.device.type != "cuda":
             return words.to(self.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(self.copy_stream):
             on_device = words.to(self.device, non_blocking=True)
         sampler_stream = torch.cuda.current_stream(self.device)
-        sampler_stream.wait_stream(self._copy_stream)
+        sampler_stream.wait_stream(self.copy_stream)
         on_device.record_stream(sampler_stream)  # its block is not reused before the sampler has read it
         return on_device
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    def _upload_waited(self, ahead: _Ahead, pool: MaskProcesses) -> torch.Tensor:
+        """_on_device for the masks of a round trip still under way: their copy waits on the device for the mask
+        processes (MaskProcesses.wait_on_device), into a device buffer kept for their half of the processes' buffer
+        (the copy that next writes it follows the sampling that read it: the processes fill that half only once
+        they have the tokens of the step after). Launched with the driver's calls (engine/stream_ops.py)."""
+        ops = pool.stream_ops
+        key = (id(pool), ahead.half, ahead.words.shape[0])
+        found = self._uploads.get(key)
+        if found is None:
+            if self._device_halves_of is not pool:
+                self._uploads.clear()
+                self._device_halves = [torch.empty(pool.buffer(h).shape, dtype=torch.int32, device=self.device)
+                                       for h in (0, 1)]
+                self._device_halves_of = pool
+                self._copied = self._copied or ops.new_event()
+            target = self._device_halves[ahead.half][: ahead.words.shape[0]]
+            found = self._uploads[key] = (target, target.data_ptr(), ahead.words.data_ptr(), ahead.words.nbytes,
+                                          self.copy_stream.cuda_stream)
+        target, destination, source, nbytes, copy_stream = found
+        pool.wait_on_device(copy_stream)
+        ops.copy_to_device(destination, source, nbytes, copy_stream)
+        ops.record(self._copied, copy_stream)
+        ops.wait_event(torch.cuda.current_stream(self.device).cuda_stream, self._copied)
+        return target
 
     def _device_rows(self, rows: tuple[int, ...], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """TokenBitmask's rows and mask_of_row on the device for a step of num_rows logits rows; the last step's
@@ -269,8 +327,12 @@ class TokenMasker:
         if first.pool is not None:
             started = time.perf_counter()
             steady = self._steady
-            if not (self.hand_over_from_device and self._in_processes is None and self._steady_goes_on(steady, tokens)
-                    and steady.pool.takes_from_device(tokens.num_rows) and self._send_steady(steady, tokens, None)):
+            from_device = (self.hand_over_from_device and self._steady_goes_on(steady, tokens)
+                           and steady.pool.takes_from_device(tokens.num_rows))
+            if from_device and self._waited:  # handed over once the round trip the GPU waits for is collected
+                steady.pool.stage_device_tokens(tokens.device_ids, self._half)
+                self._to_send, self._staged = tokens, True
+            elif not (from_device and self._in_processes is None and self._send_steady(steady, tokens, None)):
                 self._to_send = tokens
             self.seconds += time.perf_counter() - started
             self.send_seconds += time.perf_counter() - started
@@ -280,6 +342,15 @@ class TokenMasker:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tollgate-masks")
         words = self._new_words(len(items), first.mask_words)
         self._ahead = self._worker.submit(self._fill_ahead, tokens, items, words)
+
+    def forward_launched(self) -> None:
+        """The engine has launched its next forward pass (or had none to launch) and is about to wait for the
+        device: a round trip the GPU waits for is collected (a process that died is started again and fills its
+        rows, or the device would wait for ever), and tokens staged by start_ahead are handed over."""
+        if self._to_send is not None and self._staged:
+            self._send_ahead()
+        elif self._waited:
+            self._collect()
 
     def awaits(self, tokens: DeferredTokens) -> bool:
         """Whether mask processes wait for these tokens (tokens_read would send them)."""
@@ -299,10 +370,14 @@ class TokenMasker:
         (its process was started again) is left to for_step."""
         started = time.perf_counter()
         tokens, self._to_send = self._to_send, None
-        values = tokens.tolist()
+        staged, self._staged = self._staged, False
+        if self._in_processes is not None:  # the round trip the GPU waited for
+            self._collect()
         steady = self._steady
-        if not (self._steady_goes_on(steady, tokens) and self._send_steady(steady, tokens, values)):
-            self._send_planned(tokens, values)
+        if not (staged and self._steady_goes_on(steady, tokens) and self._send_steady(steady, tokens, None, True)):
+            values = tokens.tolist()
+            if not (self._steady_goes_on(steady, tokens) and self._send_steady(steady, tokens, values)):
+                self._send_planned(tokens, values)
         self.seconds += time.perf_counter() - started
         self.send_seconds += time.perf_counter() - started
 
@@ -312,9 +387,11 @@ class TokenMasker:
         return (steady is not None and steady.served and steady.pool.unchanged()
                 and steady.same_batch(tokens.seqs))
 
-    def _send_steady(self, steady: _Steady, tokens: DeferredTokens, values: list[int] | None) -> bool:
+    def _send_steady(self, steady: _Steady, tokens: DeferredTokens, values: list[int] | None,
+                     staged: bool = False) -> bool:
         """The hand-over of a steady step: the processes run their plans on the new tokens (`values`: as read on
-        the host; None: copied there from the device). False (nothing sent) if a grammar went meanwhile."""
+        the host; None: copied there from the device, `staged`: that copy already queued). False (nothing sent) if
+        a grammar went meanwhile."""
         grammars = [ref() for ref in steady.ahead.grammars]
         if None in grammars:
             return False
@@ -322,14 +399,14 @@ class TokenMasker:
             grammar.num_consumed += 1
         half, self._half = self._half, 1 - self._half
         if values is None:
-            steady.pool.send_steady_from_device(tokens.device_ids, half)
+            steady.pool.send_steady_from_device(tokens.device_ids, half, staged)
             self.hand_overs_from_device += 1
         else:
             steady.pool.send_steady([values[row] for row in steady.rows], half)
         words = steady.words.get(half)
         if words is None:
             words = steady.words[half] = steady.pool.buffer(half)[: len(steady.rows)]
-        steady.ahead = _Ahead(steady.ahead.grammars, [g.num_consumed for g in grammars], words)
+        steady.ahead = _Ahead(steady.ahead.grammars, [g.num_consumed for g in grammars], words, half)
         steady.served = False
         sent = tokens if values is None else values
         self._in_processes = (steady.pool, steady.ahead, (tokens.seqs, steady.rows, sent))
@@ -357,7 +434,7 @@ class TokenMasker:
         rows = [row for row, _ in live]
         pool.send_ahead(grammars, [values[row] for row in rows], half, rows)
         ahead = _Ahead([weakref.ref(g) for g in grammars], [g.num_consumed for g in grammars],
-                       pool.buffer(half)[: len(live)])
+                       pool.buffer(half)[: len(live)], half)
         self._in_processes = (pool, ahead, (seqs, rows, values))
         if len(live) == constrained:
             self._steady = _Steady(pool, [weakref.ref(seq) for seq in seqs], rows, ahead)
@@ -371,11 +448,19 @@ class TokenMasker:
     def _collect(self) -> _Ahead | None:
         """The masks the mask processes filled ahead (waiting for them); their refusals booked."""
         in_processes, self._in_processes = self._in_processes, None
+        waited, self._waited = self._waited, False
         if in_processes is None:
             return None
         pool, ahead, (seqs, rows, values) = in_processes
         started = time.perf_counter()
-        results, restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
+        try:
+            results, restarted = pool.receive()  # a restarted process's grammars are reset: for_step catches them up
+            if restarted and waited:
+                self._refill_waited(pool, ahead, seqs, rows, restarted)
+        except BaseException:
+            if waited:  # the GPU must not wait for ever on processes this could not collect
+                pool.release_device_waits()
+            raise
         if results or restarted:
             self._steady = None
         if results:
@@ -389,6 +474,31 @@ class TokenMasker:
         self.seconds += time.perf_counter() - started
         self.collect_seconds += time.perf_counter() - started
         return ahead
+
+    def _refill_waited(self, pool: MaskProcesses, ahead: _Ahead, seqs: list[Sequence], rows: list[int],
+                       restarted: set[int]) -> None:
+        """Processes died with the GPU waiting for their masks: each one's successor catches up the sequences it
+        held and fills their rows of the same half, in the very step the GPU waits for."""
+        for _attempt in range(3):
+            consume, fill = [], []
+            for i, ref in enumerate(ahead.grammars):
+                grammar = ref()
+                if grammar is None or grammar.worker not in restarted or seqs[rows[i]].grammar is not grammar:
+                    continue  # the sequence has finished: its row is sampled but not used
+                new = grammar.new_tokens(seqs[rows[i]])
+                grammar.num_consumed += len(new)
+                consume.append((seqs[rows[i]], new))
+                fill.append((grammar, i))
+            pool.send([(seq.grammar, new) for seq, new in consume if new], fill, ahead.half, also=restarted)
+            results, restarted = pool.receive()
+            replies = {id(grammar): (accepted, error) for grammar, accepted, error in results}
+            for seq, new in consume:
+                if id(seq.grammar) in replies:
+                    accepted, error = replies[id(seq.grammar)]
+                    seq.grammar.refused(seq, new[accepted], error or "")
+            if not restarted:
+                return
+        raise RuntimeError("structured outputs: the mask processes keep exiting")
 
     def _assemble_in_processes(self, pool: MaskProcesses, seqs: list[Sequence],
                                ahead: _Ahead | None) -> tuple[torch.Tensor, int]:

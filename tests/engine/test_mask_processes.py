@@ -8,17 +8,19 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
 
+import kernels
 from engine.deferred_tokens import DeferredTokens
 from engine.grammar import GrammarCompiler
 from engine.mask_worker import NO_TOKEN, RUN_PLAN_ON_DEVICE_TOKENS
 from engine.config import SamplingParams
 from engine.sequence import Sequence
 from engine.token_mask import TokenMasker
-from tests.engine.helpers import smollm2_tokenizer
+from tests.engine.helpers import smollm2_tokenizer, write_byte_level_tokenizer
 from tests.engine.test_token_mask import SPECS, allowed, new_sequences
 
 
@@ -55,6 +57,18 @@ def check_and_draw(live, mask, local, rng: random.Random) -> list[int]:
     return tokens
 
 
+def read_tokens(masker: TokenMasker, tokens: DeferredTokens, local: dict[str, object]) -> None:
+    """The engine's order once a step's tokens reach the host: read, handed to the masker, appended to their
+    sequences; each constrained sequence's mirror consumes its token."""
+    tokens.mark_pending()
+    sampled = tokens.read()
+    masker.tokens_read(tokens)
+    for item in sampled:
+        item.seq.token_ids.append(item.token_id)
+        if item.seq.grammar is not None:
+            assert local[item.seq.request_id].consume_token(item.token_id)
+
+
 def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None = None, drop_at: int = 12,
                     free_between: bool = False, from_device: bool = True):
     """The engine's order with async scheduling: masks for the step, its tokens sampled, read a step later, sent to
@@ -82,13 +96,7 @@ def run_async_steps(grammars: GrammarCompiler, steps: int, kill_at: int | None =
         mask = masker.for_step(live)
         tokens = DeferredTokens(torch.tensor(check_and_draw(live, mask, local, rng)), live)
         masker.start_ahead(tokens)
-        tokens.mark_pending()
-        sampled = tokens.read()
-        masker.tokens_read(tokens)
-        for s in sampled:
-            s.seq.token_ids.append(s.token_id)
-            if s.seq.grammar is not None:
-                assert local[s.seq.request_id].consume_token(s.token_id)
+        read_tokens(masker, tokens, local)
     masker.wait()
     return masker, pids
 
@@ -168,3 +176,100 @@ def test_finished_sequences_leave_their_mask_process(grammars: GrammarCompiler) 
     seqs = new_sequences(grammars)
     masker.for_step(seqs)
     assert [w.live for w in workers] == [5, 5] and [len(w.dropped) for w in workers] == [0, 0]  # sent with the step
+
+
+def test_a_process_dead_in_a_step_the_gpu_waits_for_is_replaced_within_that_step(grammars: GrammarCompiler) -> None:
+    """The engine thread's side of the GPU's wait for the masks (on CUDA only: the test below), here on the CPU: a
+    steady round trip marked as one the GPU waits for (as for_step marks it on CUDA), whose process was stopped
+    before the step came and killed after. Collecting it (forward_launched) starts the process again, and its
+    successor fills that very step's rows: its `done` counter reaches the step the GPU waits for, and every row holds
+    the mask a matcher in this process computes. The steps after go on as usual."""
+    rng = random.Random(5)
+    seqs = new_sequences(grammars)
+    local = mirrors(grammars, seqs)
+    masker = TokenMasker(torch.device("cpu"), threads=1)
+    pool = grammars.pool
+    stopped = None
+
+    def step(stop_first: bool) -> None:
+        nonlocal stopped
+        mask = masker.for_step(seqs)
+        tokens = DeferredTokens(torch.tensor(check_and_draw(seqs, mask, local, rng)), seqs)
+        if stop_first:  # its step of these tokens is handed over next, straight from the "device"
+            stopped = pool._workers[0].process
+            os.kill(stopped.pid, signal.SIGSTOP)
+        masker.start_ahead(tokens)
+        read_tokens(masker, tokens, local)
+
+    for i in range(4):
+        step(stop_first=i == 3)
+    assert masker.steps_steady >= 2 and masker.hand_overs_from_device >= 3
+    _, ahead, _ = masker._in_processes
+    waited_for = dict(pool._sent)[0]
+    masker._waited = True
+    os.kill(stopped.pid, signal.SIGKILL)
+    stopped.wait()
+    masker.forward_launched()
+    successor = pool._workers[0]
+    assert successor.process.pid != stopped.pid and successor.control.done == waited_for
+    by_grammar = {id(seq.grammar): seq for seq in seqs}
+    for row, ref in zip(ahead.words, ahead.grammars):
+        expected = own_mask(local[by_grammar[id(ref())].request_id])
+        assert torch.equal(row, expected[: row.numel()])
+    for _ in range(4):
+        step(stop_first=False)
+    masker.wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kill_at", [None, 6], ids=["steady", "process-killed-while-the-gpu-waits"])
+def test_masks_the_gpu_waits_for_equal_each_matchers_own(tmp_path, kill_at: int | None) -> None:
+    """On CUDA the GPU itself waits for a steady step's masks (the engine thread collects them after the next
+    launch): each step's tokens are sampled on the device from masks that equal a local matcher's. A process killed
+    while the GPU waits for its masks is started again and fills them before anything waits for the device: it was
+    stopped before its step came (so it cannot have finished it) and killed once the GPU waited."""
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(write_byte_level_tokenizer(tmp_path))
+    device = torch.device("cuda")
+    grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, lexers=1, processes=2,
+                               max_rows=24, device=device, spin_s=5.0)
+    try:
+        seqs = new_sequences(grammars)
+        local = mirrors(grammars, seqs)
+        masker = TokenMasker(device, threads=1)
+        pool = grammars.pool
+        generator = torch.Generator(device).manual_seed(3)
+        stopped = None
+        for step in range(20):
+            live = [seq for seq in seqs if not local[seq.request_id].is_stopped()]
+            if not live:
+                break
+            logits = torch.randn(len(live), tokenizer.vocab_size, device=device, generator=generator)
+            logits[:, list(tokenizer.eos_token_ids)] = -1e4  # ends only where a grammar must
+            # as the engine: nothing after for_step waits for the device (this indexing would) until forward_launched
+            waited_before = masker.steps_waited_on_device
+            mask = masker.for_step(live, deferred=True)
+            tokens = DeferredTokens(kernels.masked_argmax(logits, mask.words, mask.mask_of_row), live)
+            masker.start_ahead(tokens)
+            if step == kill_at:
+                assert masker.steps_waited_on_device == waited_before + 1  # the GPU waits for the stopped process
+                os.kill(stopped.pid, signal.SIGKILL)
+                stopped.wait()
+            if kill_at is not None and step == kill_at - 1:  # stopped before the next step's masks are handed over
+                worker = pool._workers[0]
+                while worker.control.done != worker.seq:  # once done with this step's (which are collected next)
+                    time.sleep(0.001)
+                stopped = worker.process
+                os.kill(stopped.pid, signal.SIGSTOP)
+            masker.forward_launched()  # the engine's next launch: only now may the host wait for the device
+            words = mask.words.cpu()
+            for row, seq in zip(words, live):
+                assert torch.equal(row, own_mask(local[seq.request_id])[: row.numel()]), (step, seq.request_id)
+            read_tokens(masker, tokens, local)
+        assert masker.steps_waited_on_device >= 10
+        if kill_at is not None:
+            assert pool._workers[0].process.pid != stopped.pid
+        masker.wait()
+    finally:
+        grammars.close()

@@ -317,6 +317,7 @@ def test_masks_on_cuda_keep_every_document_valid(tmp_path, processes: int) -> No
     masker.wait()
     assert llm.engine.grammars.num_live == 0 and masker.rows_ahead > 0
     assert (masker.hand_overs_from_device > 0) == (processes > 0)  # steady steps' tokens copied by the device
+    assert (masker.steps_waited_on_device > 0) == (processes > 0)  # steady steps' masks waited for by the GPU
     llm.close()
 
 
