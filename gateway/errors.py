@@ -32,7 +32,8 @@ class APIError(Exception):
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", code, param)
+    """A 400; its code is "invalid_value" where a field is named and no other code is given."""
+    return APIError(400, message, "invalid_request_error", code or ("invalid_value" if param else None), param)
 
 
 def unauthorized(message: str) -> APIError:

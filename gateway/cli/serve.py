@@ -150,6 +150,7 @@ def run_until_stopped(settings: Settings, owns_platform: bool) -> int:
     if left:
         print(f"{left} requests were still running after the drain window: each was ended (a 503, or an error event "
               "before its stream's end) and recorded cancelled with the tokens it generated", file=sys.stderr)
+    print("the platform has stopped", file=sys.stderr)
     return 0
 
 

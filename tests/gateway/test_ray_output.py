@@ -22,7 +22,7 @@ from tests.gateway.live import free_port
 
 REASON = "max_model_len: 1000000 exceeds the model's max_position_embeddings"
 OURS = ("Tollgate is serving at ", "models start on their first request", "make a key with ", "try:", "  curl ",
-        "stopping the platform (in-flight requests may finish")
+        "stopping the platform (in-flight requests may finish", "the platform has stopped")
 RAY_PROCESS = re.compile(r"^\((?P<who>[^)]*)\) ")  # a line Ray forwards from one of its processes
 COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its processes' names, on a terminal or not
 RAY_RECORD = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d ")  # Serve's log format
@@ -83,6 +83,7 @@ def test_platform_on_ray_prints_our_lines_and_real_errors_only(db_url, tmp_path)
     ours = [line for line in lines if not RAY_PROCESS.match(line)]
     assert [line for line in ours if not line.startswith(OURS)] == [], out[-3000:]
     assert sum(line.startswith("stopping the platform") for line in ours) == 1
+    assert ours[-1] == "the platform has stopped\n", out[-3000:]
     records = [RAY_RECORD.match(RAY_PROCESS.sub("", line)) for line in lines if RAY_PROCESS.match(line)]
     assert {m["level"] for m in records if m} == {"ERROR"}, out[-3000:]  # the replica's failure, nothing less
     assert any(REASON in line for line in lines if RAY_PROCESS.match(line)), out[-3000:]

@@ -152,6 +152,8 @@ def test_a_bad_constraint_is_a_400_naming_its_field_before_admission(server, ten
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+    unknown = param.endswith((".extra", ".whitespace_pattern"))
+    assert error["code"] == ("unknown_parameter" if unknown else "invalid_value")
     assert error["message"].startswith(f"{param}: ") and (says is None or says in error["message"])
     server.gateway.ledger.flush(10)
     with Session(shared_db) as s:
