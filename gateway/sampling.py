@@ -11,6 +11,7 @@ from engine.grammar import check as check_constraint
 from engine.structured_outputs import StructuredOutputs
 from gateway.errors import APIError, invalid_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.schema_check import check_json_schema
 
 MAX_STOP = 4
 UNSUPPORTED_VLLM_FIELDS = ("guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
@@ -93,10 +94,13 @@ def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> Struc
 async def check_structured_outputs(params: SamplingParams) -> None:
     """llguidance checks the constraint (no tokenizer needed) in a worker thread, off the event loop: a bad schema,
     regex or grammar is a 400 naming the field the client sent, before anything is admitted or run."""
-    if params.structured_outputs is None:
+    spec = params.structured_outputs
+    if spec is None:
         return
     try:
-        await run_in_threadpool(check_constraint, params.structured_outputs)
+        if spec.kind == "json":
+            await run_in_threadpool(check_json_schema, spec.json, spec.field)
+        await run_in_threadpool(check_constraint, spec)
     except ValueError as e:
         raise value_error(e) from e
 

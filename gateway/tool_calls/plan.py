@@ -9,8 +9,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import jsonschema
-from jsonschema.exceptions import SchemaError
 from starlette.concurrency import run_in_threadpool
 
 from engine.grammar import check as check_constraint
@@ -18,6 +16,7 @@ from engine.structured_outputs import StructuredOutputs
 from engine.tool_prompt import FALLBACK_INSTRUCTIONS
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest
+from gateway.schema_check import check_json_schema
 from gateway.specs import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from gateway.tool_calls.parsers import (ForcedCallsParser, HermesParser, Llama3JsonParser, NamedCallParser,
                                         ToolCallParser)
@@ -103,12 +102,7 @@ def _checked_parameters(parameters: dict[str, Any] | None, field: str) -> dict[s
         return NO_PARAMETERS
     if _nesting(parameters) > MAX_SCHEMA_NESTING:
         raise invalid_request(f"{field}: nested deeper than {MAX_SCHEMA_NESTING} levels", field)
-    try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except SchemaError as e:
-        where = "/".join(str(p) for p in e.path)
-        raise invalid_request(f"{field}: not a valid JSON schema: {e.message}" + (f" (at {where})" if where else ""),
-                              field) from None
+    check_json_schema(parameters, field)
     if parameters.get("type", "object") != "object":
         raise invalid_request(f"{field}: must describe an object (type: object), got type {parameters['type']!r}",
                               field)

@@ -127,6 +127,10 @@ def test_top_logprobs_of_a_constrained_request_name_the_tokens_it_rules_out_at_m
      "uniqueItems"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "array", "items": {"type": "nonsense"}}}}}}},
+     "response_format.json_schema.schema", "(at properties/a/items/type)"),
+    ({"guided_json": {"type": "object", "required": "a"}}, "guided_json", "(at required)"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      "required"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
