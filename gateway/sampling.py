@@ -92,8 +92,9 @@ def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> Struc
 
 
 async def check_structured_outputs(params: SamplingParams) -> None:
-    """llguidance checks the constraint (no tokenizer needed) in a worker thread, off the event loop: a bad schema,
-    regex or grammar is a 400 naming the field the client sent, before anything is admitted or run."""
+    """llguidance checks the constraint (no tokenizer needed) in a worker thread, off the event loop, after a JSON
+    schema has passed the meta-schema (whose 400 says where in the schema): a bad schema, regex or grammar is a 400
+    naming the field the client sent, before anything is admitted or run."""
     spec = params.structured_outputs
     if spec is None:
         return
