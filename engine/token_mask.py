@@ -130,11 +130,11 @@ class TokenMasker:
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # the masks' copies to a CUDA device (_on_device)
         # _upload_waited's: a device buffer per half of the mask processes' buffer, the pool they are for, the
-        # event behind each copy, and each copy's pointers by (pool, half, rows)
+        # event behind each copy, and each copy's pointers by (half, rows)
         self._device_halves: list[torch.Tensor] = []
         self._device_halves_of: MaskProcesses | None = None
         self._copied: int | None = None
-        self._uploads: dict[tuple[int, int, int], tuple[torch.Tensor, int, int, int, int]] = {}
+        self._uploads: dict[tuple[int, int], tuple[torch.Tensor, int, int, int, int]] = {}
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
         # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
         # after each included), steps with masks, rows, rows the worker had ready; with mask processes, the engine
@@ -282,15 +282,15 @@ class TokenMasker:
         (the copy that next writes it follows the sampling that read it: the processes fill that half only once
         they have the tokens of the step after). Launched with the driver's calls (engine/stream_ops.py)."""
         ops = pool.stream_ops
-        key = (id(pool), ahead.half, ahead.words.shape[0])
+        if self._device_halves_of is not pool:
+            self._uploads.clear()
+            self._device_halves = [torch.empty(pool.buffer(h).shape, dtype=torch.int32, device=self.device)
+                                   for h in (0, 1)]
+            self._device_halves_of = pool
+            self._copied = self._copied or ops.new_event()
+        key = (ahead.half, ahead.words.shape[0])
         found = self._uploads.get(key)
         if found is None:
-            if self._device_halves_of is not pool:
-                self._uploads.clear()
-                self._device_halves = [torch.empty(pool.buffer(h).shape, dtype=torch.int32, device=self.device)
-                                       for h in (0, 1)]
-                self._device_halves_of = pool
-                self._copied = self._copied or ops.new_event()
             target = self._device_halves[ahead.half][: ahead.words.shape[0]]
             found = self._uploads[key] = (target, target.data_ptr(), ahead.words.data_ptr(), ahead.words.nbytes,
                                           self.copy_stream.cuda_stream)
