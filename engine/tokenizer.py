@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from engine.model_config import token_id_tuple
@@ -24,7 +24,7 @@ class Tokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        self._backend_decode = _backend_decode(hf_tokenizer)
+        self._backend = _backend_tokenizer(hf_tokenizer)  # the Rust tokenizer when decoding straight through it
 
     @classmethod
     def from_source(cls, path: str) -> Tokenizer | None:
@@ -63,10 +63,21 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it would make the decode of a sequence differ from the sum of its parts.
-        if self._backend_decode is not None:
-            return self._backend_decode(list(token_ids), skip_special_tokens)
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=False)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int | list[int]], str | None] | None:
+        """A streaming decoder of one output's tokens where the Rust tokenizer decodes straight: each call takes
+        the next id (or ids) and returns the text they complete (None while they end inside a character or add
+        nothing), the pieces adding up to decode() of all of them; one Rust call a token. None: decode windows
+        (engine/detokenizer.py)."""
+        if self._backend is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._backend)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self._hf.convert_ids_to_tokens(list(ids)))
@@ -93,11 +104,10 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
 
 
-def _backend_decode(hf_tokenizer: Any) -> Any:
-    """The Rust tokenizer's own decode where transformers' decode adds nothing to it (a fast tokenizer whose class
-    keeps the base _decode) but the conversions around it: the detokenizer calls it twice a token, and the wrapper
-    was most of a large batch's host time per step (docs/benchmarks/engine.md, 2026-12-06). None: use the
-    wrapper."""
+def _backend_tokenizer(hf_tokenizer: Any) -> Any:
+    """The Rust tokenizer, to decode with straight where transformers' decode adds nothing to it (a fast tokenizer
+    whose class keeps the base _decode) but the conversions around it, which were most of a large batch's host time
+    per step (docs/benchmarks/engine.md, 2026-12-06). None: use the wrapper."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend as base
     except ImportError:  # transformers 4
@@ -105,7 +115,7 @@ def _backend_decode(hf_tokenizer: Any) -> Any:
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(hf_tokenizer, base) or type(hf_tokenizer)._decode is not base._decode:
         return None
-    return backend.decode
+    return backend
 
 
 @functools.lru_cache(maxsize=1)

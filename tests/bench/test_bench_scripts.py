@@ -142,7 +142,7 @@ def test_lora_decode_forms_bench_runs_every_form_of_every_group_on_cpu(tmp_path)
                 (group, "grouped", 1, "slot-major"), (group, "base", 0, None)} <= runs
 
 
-def test_detokenize_times_both_decode_paths_on_the_same_streams(tmp_path) -> None:
+def test_detokenize_times_the_three_decode_paths_on_the_same_streams(tmp_path) -> None:
     from bench import detokenize
     from tests.engine.helpers import smollm2_gguf_path
 
@@ -150,5 +150,7 @@ def test_detokenize_times_both_decode_paths_on_the_same_streams(tmp_path) -> Non
     path = tmp_path / "detok.json"
     result = detokenize.main(["--batch", "4", "--steps", "8", "--repeats", "1", "--out", str(path)])
     assert json.loads(path.read_text()) == result
-    assert result["ms_per_step_rust_decode"] > 0 and result["ms_per_step_transformers_decode"] > 0
-    assert result["speedup"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_decode"]
+    for way in ("transformers_decode", "rust_decode", "rust_stream"):
+        assert result[f"ms_per_step_{way}"] > 0
+    assert result["speedup_rust_decode"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_decode"]
+    assert result["speedup_rust_stream"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_stream"]

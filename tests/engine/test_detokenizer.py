@@ -40,6 +40,13 @@ def _sentencepiece_tokenizer() -> Tokenizer:
     return Tokenizer(hf)
 
 
+def _windows_only(tok: Tokenizer) -> Tokenizer:
+    """A copy of the tokenizer without a streaming decoder, as the detokenizer sees one: it decodes windows."""
+    copy = Tokenizer(tok.hf, tok.eos_token_ids)
+    copy.decode_stream = lambda skip_special_tokens=True: None  # type: ignore[method-assign]
+    return copy
+
+
 def _stream(tok: Tokenizer, ids: list[int], chunk: int, prompt: list[int] | None = None,
             skip_special_tokens: bool = True) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tok, prompt or [], skip_special_tokens=skip_special_tokens)
@@ -52,8 +59,9 @@ def _stream(tok: Tokenizer, ids: list[int], chunk: int, prompt: list[int] | None
                          ids=["byte-level", "sentencepiece", "smollm2"])
 @pytest.mark.parametrize("text", [TEXT, MIXED, " do a cat do"])
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_streamed_pieces_add_up_to_the_full_decode(make, text, chunk):
-    tok = make()
+@pytest.mark.parametrize("windows", [False, True], ids=["stream", "windows"])
+def test_streamed_pieces_add_up_to_the_full_decode(make, text, chunk, windows):
+    tok = _windows_only(make()) if windows else make()
     ids = tok.encode(text, add_special_tokens=False)
     pieces, detok = _stream(tok, ids, chunk, prompt=tok.encode("Say:", add_special_tokens=False))
     assert not any("\ufffd" in p for p in pieces), pieces
@@ -100,7 +108,7 @@ def test_special_tokens_follow_skip_flag(skip):
 
 
 def test_each_step_decodes_a_small_window():
-    tok = _byte_level_tokenizer()
+    tok = _windows_only(_byte_level_tokenizer())
     ids = tok.encode(MIXED * 20)
     longest = 0
     decode = tok.decode
@@ -120,12 +128,12 @@ def test_each_step_decodes_a_small_window():
                          ids=["byte-level", "sentencepiece", "smollm2"])
 @pytest.mark.parametrize("skip", [True, False])
 def test_decode_equals_transformers_decode_on_random_ids(make, skip):
-    """Tokenizer.decode calls the Rust tokenizer straight (engine/tokenizer.py _backend_decode): on random ids,
+    """Tokenizer.decode calls the Rust tokenizer straight (engine/tokenizer.py _backend): on random ids,
     special tokens included, it gives what transformers' decode gives without its clean-up of spaces."""
     import random
 
     tok = make()
-    assert tok._backend_decode is not None
+    assert tok._backend is not None
     rng = random.Random(7)
     specials = sorted(tok.hf.all_special_ids)
     for length in (1, 2, 5, 17, 64):
@@ -134,3 +142,31 @@ def test_decode_equals_transformers_decode_on_random_ids(make, skip):
                    for _ in range(length)]
             assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), ids
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_stream_and_python_windows_give_the_same_pieces_on_random_ids(make, skip):
+    """The Rust tokenizer's streaming decoder (one call a token) against the windows decoded in Python, on random
+    ids with special tokens and ids past the vocabulary (a model's rows can outnumber its tokenizer's): the same
+    piece at every step, adding up to the full decode where that is valid text (random bytes need not be: a
+    window's text then need not begin with its context's, where the stream gives way to windows)."""
+    import random
+
+    tok, reference = make(), _windows_only(make())
+    assert tok.decode_stream() is not None
+    rng = random.Random(11)
+    specials = sorted(tok.hf.all_special_ids)
+    for length in (1, 3, 17, 64):
+        for _ in range(15):
+            ids = [rng.choice(specials) if specials and rng.random() < 0.1
+                   else rng.randrange(tok.vocab_size + (8 if rng.random() < 0.05 else 0)) for _ in range(length)]
+            chunk = rng.choice([1, 1, 2, 5])
+            pieces, detok = _stream(tok, ids, chunk, skip_special_tokens=skip)
+            expected, _ = _stream(reference, ids, chunk, skip_special_tokens=skip)
+            assert pieces == expected, ids
+            assert "".join(pieces) == detok.text
+            full = tok.decode(ids, skip_special_tokens=skip)
+            if "\ufffd" not in full:
+                assert detok.text == full, ids
