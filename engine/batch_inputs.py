@@ -9,6 +9,7 @@ sampled tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -74,21 +75,21 @@ def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int =
                 greedy_tokens: bool = False) -> HostInputs:
     seqs = batch.seqs
     n = len(seqs)
-    num_new = np.fromiter(batch.num_new_tokens, dtype=np.int64, count=n)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+    # one pass over the sequences (a decode step's host work is mostly per-sequence Python)
+    per_seq = np.array([(s.num_computed_tokens, len(s.token_ids), len(s.spec_token_ids), s.pending_row,
+                         len(s.block_ids)) for s in seqs], dtype=np.int64).reshape(n, 5)
+    starts, seq_num_tokens, num_drafts, rows_of_seq, num_blocks = per_seq.T
+    num_new = np.array(batch.num_new_tokens, dtype=np.int64)
     ends = starts + num_new
     query_start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(num_new, out=query_start[1:])
     total = int(query_start[-1])
 
-    max_blocks = max(len(s.block_ids) for s in seqs)
-    tables = np.zeros((n, max_blocks), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_ids)] = s.block_ids
+    tables = np.zeros((n, int(num_blocks.max())), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = list(chain.from_iterable(s.block_ids for s in seqs))
 
     if total == n:  # one token per sequence: the decode case
-        input_ids = np.fromiter((s.token_ids[start] for s, start in zip(seqs, starts.tolist())), dtype=np.int64,
-                                count=n)
+        input_ids = np.array([s.token_ids[start] for s, start in zip(seqs, starts.tolist())], dtype=np.int64)
         positions = starts
         owner = np.arange(n)
     else:
@@ -101,14 +102,13 @@ def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int =
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     previous_rows = np.full(total, -1, dtype=np.int64)
     pending = input_ids == PENDING_TOKEN
-    if pending.any():
+    any_pending = bool(pending.any())
+    if any_pending:
         if not num_previous_rows:
             raise RuntimeError("a scheduled input token is pending but no step is in flight")
-        rows_of_seq = np.fromiter((s.pending_row for s in seqs), dtype=np.int64, count=n)
         previous_rows[pending] = rows_of_seq[owner[pending]]
 
-    num_drafts = np.fromiter((len(s.spec_token_ids) for s in seqs), dtype=np.int64, count=n)
-    caught_up = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n) + num_drafts == ends
+    caught_up = seq_num_tokens + num_drafts == ends
     return HostInputs(
         packed=np.concatenate([input_ids, positions, slots, previous_rows, ends, query_start]),
         block_tables=tables,
@@ -117,7 +117,7 @@ def host_inputs(batch: ScheduledBatch, block_size: int, num_previous_rows: int =
         max_query_len=int(num_new.max()),
         max_seq_len=int(ends.max()),
         logits_indices=_logits_rows(query_start[1:][caught_up] - 1, num_drafts[caught_up]),
-        num_previous_rows=num_previous_rows if pending.any() else 0,
+        num_previous_rows=num_previous_rows if any_pending else 0,
         greedy_tokens=greedy_tokens,
     )
 

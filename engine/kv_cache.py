@@ -167,9 +167,9 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers seq's blocks that became full of computed tokens, so later requests can share them."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= seq.num_registered_blocks:
+            return
         # kept draft tokens count as computed a moment before they are appended to token_ids
         num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(seq.block_ids))
         if num_full <= seq.num_registered_blocks:

@@ -294,16 +294,17 @@ class LLMEngine:
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue  # decoding: scheduled before, its prompt counted
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_cached_tokens and seq.num_preemptions == 0:
-                    metrics.num_cached_tokens += seq.num_cached_tokens
-                    self.metrics.prompt_tokens_cached += seq.num_cached_tokens
-                computed = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) - seq.num_computed_tokens
-                metrics.num_computed_prompt_tokens += computed
-                self.metrics.prompt_tokens_computed += computed
+            if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_cached_tokens and seq.num_preemptions == 0:
+                metrics.num_cached_tokens += seq.num_cached_tokens
+                self.metrics.prompt_tokens_cached += seq.num_cached_tokens
+            computed = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) - seq.num_computed_tokens
+            metrics.num_computed_prompt_tokens += computed
+            self.metrics.prompt_tokens_computed += computed
 
     def _take_tokens(self, batch: ScheduledBatch, tokens: DeferredTokens | list[SampledToken]
                      ) -> DeferredTokens | None:

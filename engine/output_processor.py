@@ -66,16 +66,20 @@ class OutputProcessor:
         """Appends each token to its sequence; returns the sequences that stopped, in the order they did."""
         now = time.monotonic()
         stopped = []
+        requests, touched = self.requests, self._touched
+        added = 0
         for item in sampled:
-            if item.seq.finish_reason is not None:  # finished before, or a kept draft after a stop in this step
+            seq = item.seq
+            if seq.finish_reason is not None:  # finished before, or a kept draft after a stop in this step
                 continue
-            self.metrics.generation_tokens += 1
-            state = self.requests[item.seq.request_id]
+            added += 1
+            state = requests[seq.request_id]
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             if self._append_token(item):
-                stopped.append(item.seq)
-            self._touched[state.request_id] = state
+                stopped.append(seq)
+            touched[seq.request_id] = state
+        self.metrics.generation_tokens += added
         return stopped
 
     def outputs(self) -> list[RequestOutput]:
@@ -112,8 +116,9 @@ class OutputProcessor:
         """Appends the token; True when the sequence stops with it (its finish_reason is set then)."""
         seq, token = item.seq, item.token_id
         params = seq.params
-        seq.token_ids.append(token)
-        if seq.logprobs is not None and item.logprob is not None:
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        if item.logprob is not None and seq.logprobs is not None:
             seq.logprobs.append(item.logprob)
         finish: str | None = None
         stop_reason: str | int | None = None
@@ -121,22 +126,23 @@ class OutputProcessor:
             finish, stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
             finish = "stop"
-        if finish is None and seq.detokenizer is not None:
-            new_text = seq.detokenizer.add([token])
+        detokenizer = seq.detokenizer
+        if finish is None and detokenizer is not None:
+            new_text = detokenizer.add_token(token)
             if new_text:
                 seq.text += new_text
                 if params.stop:
                     finish, stop_reason = _check_stop_strings(seq, len(new_text))
         if finish is None:
-            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            num_tokens = len(token_ids)
+            if (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                    or num_tokens >= self.max_model_len):
                 finish = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                finish = "length"
-            if finish is not None and seq.detokenizer is not None:
-                # text held back for an incomplete character; the character itself never completed
-                seq.text += seq.detokenizer.finish().rstrip("\ufffd")
-        if finish is None:
-            return False
+                if detokenizer is not None:
+                    # text held back for an incomplete character; the character itself never completed
+                    seq.text += detokenizer.finish().rstrip("\ufffd")
+            else:
+                return False
         seq.finish_reason, seq.stop_reason = finish, stop_reason
         return True
 

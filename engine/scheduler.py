@@ -36,6 +36,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
+        self._running_sorted = True  # running is in Sequence.sort_key order (appends may break it)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -80,17 +81,23 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=Sequence.sort_key)
+        if not self._running_sorted:
+            self.running.sort(key=Sequence.sort_key)
+            self._running_sorted = True
 
         # decodes first, then unfinished prefill chunks, each in priority order (sorted() is stable)
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+        to_compute = [len(s.token_ids) - s.num_computed_tokens for s in self.running]
+        order = self.running
+        if any(n > 1 for n in to_compute):
+            order = [s for _, s in sorted(zip(to_compute, self.running), key=lambda pair: pair[0] > 1)]
+        for seq in list(order):
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.WAITING:
                 continue  # preempted earlier in this step
             if seq.finishes_when_read:
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             has_room = num_new == 1 and seq.num_computed_tokens < len(seq.block_ids) * self.kv.block_size
             if seq.spec_token_ids:
                 num_new, has_room = self._fit_draft_tokens(seq, budget, has_room)
@@ -132,6 +139,7 @@ class Scheduler:
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._running_sorted = False
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
