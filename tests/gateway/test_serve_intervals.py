@@ -83,7 +83,9 @@ def test_asleep_time_is_its_own_column_billed_to_no_one_and_not_idle(db) -> None
     with db.connect() as conn:
         shares = conn.execute(select(GpuShare).where(GpuShare.interval_id == rows[0].id)).all()
     assert sum(s.busy_s + s.idle_s for s in shares) == rows[0].busy_s + rows[0].idle_s  # the asleep part is no one's
-    [day] = gpu_usage_frame(db, model="sleepy").to_dict("records")
+    days = gpu_usage_frame(db, model="sleepy")  # two rows when the hour crossed midnight (UTC)
+    day = {column: days[column].sum() for column in ("asleep_h", "alive_h", "busy_h", "idle_h", "gpu_cost_usd")}
+    day["idle_rate"] = day["idle_h"] / (day["busy_h"] + day["idle_h"])  # of the awake time
     assert day["asleep_h"] == pytest.approx(0.5, abs=1e-3) and day["alive_h"] == pytest.approx(1.0, abs=1e-3)
     assert day["busy_h"] == pytest.approx(600 / 3600, abs=1e-6) and day["idle_h"] == pytest.approx(1200 / 3600, abs=1e-3)
     assert day["idle_rate"] == pytest.approx(2 / 3, abs=1e-3)
