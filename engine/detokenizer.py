@@ -37,6 +37,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         ids = [int(t) for t in token_ids]
+        if not ids:
+            return ""
         self._ids += ids
         return self._emit(final=False) if self._stream is None else self._stream_piece(ids)
 

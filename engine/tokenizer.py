@@ -72,11 +72,14 @@ class Tokenizer:
         """A streaming decoder of one output's tokens where the Rust tokenizer decodes straight: each call takes
         the next id (or ids) and returns the text they complete (None while they end inside a character or add
         nothing), the pieces adding up to decode() of all of them; one Rust call a token. None: decode windows
-        (engine/detokenizer.py)."""
+        (engine/detokenizer.py). Older tokenizers take one id a call: a list raises there, and the detokenizer goes
+        on with windows."""
         if self._backend is None:
             return None
-        from tokenizers.decoders import DecodeStream
-
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # tokenizers before 0.21
+            return None
         return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._backend)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
