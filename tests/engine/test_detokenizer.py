@@ -170,3 +170,49 @@ def test_rust_stream_and_python_windows_give_the_same_pieces_on_random_ids(make,
             full = tok.decode(ids, skip_special_tokens=skip)
             if "\ufffd" not in full:
                 assert detok.text == full, ids
+
+
+@pytest.mark.parametrize("windows", [False, True], ids=["stream", "windows"])
+@pytest.mark.parametrize("stray", ["byte", "special"])
+def test_a_run_that_never_completes_a_character_costs_a_bounded_window_per_token(windows, stray):
+    """A model made to emit a lone continuation byte, or a skipped special token, over and over (logit_bias) never
+    completes a character or adds text: the held run goes out every few dozen tokens (engine/detokenizer.py
+    MAX_HELD_TOKENS) as decode() has it, so every decode stays short however long the output grows (it was the whole
+    run, every step)."""
+    tok = _byte_level_tokenizer() if stray == "byte" else smollm2_tokenizer()
+    tok = _windows_only(tok) if windows else Tokenizer(tok.hf, tok.eos_token_ids)
+    token = tok.encode("é")[1] if stray == "byte" else 2  # 0xA9 alone; SmolLM2's <|im_end|>
+    ids = tok.encode("ok ", add_special_tokens=False) + [token] * 2000 + tok.encode(" done", add_special_tokens=False)
+    longest = 0
+    decode = tok.decode
+
+    def counting_decode(token_ids, skip_special_tokens=True):
+        nonlocal longest
+        longest = max(longest, len(token_ids))
+        return decode(token_ids, skip_special_tokens)
+
+    held, most_held = 0, 0  # ids the Rust stream holds (it decodes them all at every step)
+    make_stream = tok.decode_stream
+
+    def counting_stream(skip_special_tokens=True):
+        step = make_stream(skip_special_tokens)
+        if step is None:
+            return None
+
+        def counted(token_ids):
+            nonlocal held, most_held
+            held += 1 if isinstance(token_ids, int) else len(token_ids)
+            most_held = max(most_held, held)
+            piece = step(token_ids)
+            held = held if piece is None else 0
+            return piece
+        return counted
+
+    tok.decode = counting_decode  # type: ignore[method-assign]
+    tok.decode_stream = counting_stream  # type: ignore[method-assign]
+    pieces, detok = _stream(tok, ids, 1)
+    assert longest <= 100 and most_held <= 100
+    assert "".join(pieces) == detok.text == decode(ids)
+    assert detok.text.startswith("ok") and detok.text.endswith(" done")
+    if stray == "byte":
+        assert sum(1 for piece in pieces if piece) >= 20
