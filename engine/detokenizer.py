@@ -17,7 +17,7 @@ MAX_HELD_TOKENS = 32
 class IncrementalDetokenizer:
     """The output is decoded as a sequence of its own, so that the pieces add up to tokenizer.decode(output_ids);
     the prompt does not change the text of the first output token. Text that ends inside a character is held back
-    until the character completes, or until finish().
+    until the character completes, or finish(), or MAX_HELD_TOKENS tokens.
 
     Through the Rust tokenizer's streaming decoder where the tokenizer has one (Tokenizer.decode_stream), else by
     decoding a window: [prefix_offset, read_offset) were already emitted and give the context, [read_offset, end)
