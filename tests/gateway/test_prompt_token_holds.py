@@ -58,7 +58,7 @@ def test_a_tpm_that_fits_four_requests_with_tools_admits_four(priced_server, sha
     create_tenant(shared_db, "tokhold-tpm")
     prompt = _prompt_tokens(shared_db, live.url, "tokhold-tpm", tools=WEATHER)
     key = create_key(shared_db, "tokhold-tpm", tpm=4 * (prompt + MAX_TOKENS)).key
-    if time.time() % 60 > 30:  # all five inside one minute's window (a clean-clone CI run once straddled two)
+    if time.time() % 60 > 48:  # all five inside one minute's window (a clean-clone CI run once straddled two)
         time.sleep(61 - time.time() % 60)
     responses = [_ask(live.url, key, tools=WEATHER) for _ in range(5)]
     assert [r.status_code for r in responses] == [200, 200, 200, 200, 429]
