@@ -47,6 +47,19 @@ def _windows_only(tok: Tokenizer) -> Tokenizer:
     return copy
 
 
+class _DecodeSpans:
+    """Wraps a tokenizer's decode to note the most ids one call of it decodes."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.longest = 0
+        self.decode = tok.decode
+        tok.decode = self._counting  # type: ignore[method-assign]
+
+    def _counting(self, token_ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(token_ids))
+        return self.decode(token_ids, skip_special_tokens)
+
+
 def _stream(tok: Tokenizer, ids: list[int], chunk: int, prompt: list[int] | None = None,
             skip_special_tokens: bool = True) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tok, prompt or [], skip_special_tokens=skip_special_tokens)
@@ -110,18 +123,10 @@ def test_special_tokens_follow_skip_flag(skip):
 def test_each_step_decodes_a_small_window():
     tok = _windows_only(_byte_level_tokenizer())
     ids = tok.encode(MIXED * 20)
-    longest = 0
-    decode = tok.decode
-
-    def counting_decode(token_ids, skip_special_tokens=True):
-        nonlocal longest
-        longest = max(longest, len(token_ids))
-        return decode(token_ids, skip_special_tokens)
-
-    tok.decode = counting_decode  # type: ignore[method-assign]
+    spans = _DecodeSpans(tok)
     pieces, detok = _stream(tok, ids, 1)
     assert "".join(pieces) == MIXED * 20
-    assert longest <= 8
+    assert spans.longest <= 8
 
 
 @pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
@@ -183,14 +188,7 @@ def test_a_run_that_never_completes_a_character_costs_a_bounded_window_per_token
     tok = _windows_only(tok) if windows else Tokenizer(tok.hf, tok.eos_token_ids)
     token = tok.encode("é")[1] if stray == "byte" else 2  # 0xA9 alone; SmolLM2's <|im_end|>
     ids = tok.encode("ok ", add_special_tokens=False) + [token] * 2000 + tok.encode(" done", add_special_tokens=False)
-    longest = 0
-    decode = tok.decode
-
-    def counting_decode(token_ids, skip_special_tokens=True):
-        nonlocal longest
-        longest = max(longest, len(token_ids))
-        return decode(token_ids, skip_special_tokens)
-
+    spans = _DecodeSpans(tok)
     held, most_held = 0, 0  # ids the Rust stream holds (it decodes them all at every step)
     make_stream = tok.decode_stream
 
@@ -208,11 +206,10 @@ def test_a_run_that_never_completes_a_character_costs_a_bounded_window_per_token
             return piece
         return counted
 
-    tok.decode = counting_decode  # type: ignore[method-assign]
     tok.decode_stream = counting_stream  # type: ignore[method-assign]
     pieces, detok = _stream(tok, ids, 1)
-    assert longest <= 100 and most_held <= 100
-    assert "".join(pieces) == detok.text == decode(ids)
+    assert spans.longest <= 100 and most_held <= 100
+    assert "".join(pieces) == detok.text == spans.decode(ids)
     assert detok.text.startswith("ok") and detok.text.endswith(" done")
     if stray == "byte":
         assert sum(1 for piece in pieces if piece) >= 20
