@@ -135,14 +135,19 @@ class OutputProcessor:
                     finish, stop_reason = _check_stop_strings(seq, len(new_text))
         if finish is None:
             num_tokens = len(token_ids)
-            if (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens
+            if not (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens
                     or num_tokens >= self.max_model_len):
-                finish = "length"
-                if detokenizer is not None:
-                    # text held back for an incomplete character; the character itself never completed
-                    seq.text += detokenizer.finish().rstrip("\ufffd")
-            else:
                 return False
+            finish = "length"
+        if detokenizer is not None and not isinstance(stop_reason, str):
+            # the text held back for a character that was still to complete goes out, less that character
+            held = detokenizer.finish()
+            if held:
+                seq.text += held
+                if params.stop:
+                    stop_finish, stop_string = _check_stop_strings(seq, len(held))
+                    if stop_finish is not None:
+                        finish, stop_reason = stop_finish, stop_string
         seq.finish_reason, seq.stop_reason = finish, stop_reason
         return True
 

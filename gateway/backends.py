@@ -40,9 +40,10 @@ class GenerationRequest:
 
 @dataclass
 class TokenInfo:
-    token: str
+    token: str  # its text; where its bytes are part of a character, the bytes escaped ("\\xe6"), as OpenAI shows them
     logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
+    bytes: bytes  # the token's own bytes
+    top: list[TokenInfo] = field(default_factory=list)
 
 
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM's server) report for a token that cannot come: JSON has no -Infinity
@@ -235,6 +236,9 @@ class LocalEngineBackend:
             prompt = request.prompt
         else:
             raise ValueError("prompt: missing")
+        if request.params.logprobs is not None and engine.tokenizer is not None \
+                and not engine.tokenizer.knows_token_bytes:
+            await asyncio.to_thread(engine.tokenizer.token_bytes, [])  # built once, off the event loop
         finish_reported: set[int] = set()
         try:
             async for out in engine.generate(prompt, request.params, request.request_id, priority=request.priority,
@@ -275,13 +279,23 @@ class LocalEngineBackend:
         )
 
     def _token_info(self, lp: TokenLogprob) -> TokenInfo:
-        return TokenInfo(self._token(lp.token_id), _finite(lp.logprob),
-                         [(self._token(t), _finite(v)) for t, v in lp.top])
+        return self._token_entry(lp.token_id, lp.logprob, [self._token_entry(t, v) for t, v in lp.top])
 
-    def _token(self, token_id: int) -> str:
-        text = self._token_cache.get(token_id)
-        if text is None:
-            text = self._engine.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _token_entry(self, token_id: int, logprob: float, top: list[TokenInfo] | None = None) -> TokenInfo:
+        text, raw = self._token(token_id)
+        return TokenInfo(text, _finite(logprob), raw, top or [])
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """The token's text and bytes, as logprobs show them."""
+        known = self._token_cache.get(token_id)
+        if known is None:
+            tokenizer = self._engine.tokenizer
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" in text:  # part of a character, or U+FFFD itself
+                raw = tokenizer.token_bytes([token_id])
+                known = raw.decode("utf-8", "backslashreplace"), raw
+            else:
+                known = text, text.encode("utf-8")
             if len(self._token_cache) < 200_000:
-                self._token_cache[token_id] = text
-        return text
+                self._token_cache[token_id] = known
+        return known

@@ -144,11 +144,10 @@ class ChatFormat:
 
     @staticmethod
     def _logprobs(infos: list[TokenInfo]) -> dict[str, Any]:
-        def entry(token: str, logprob: float) -> dict[str, Any]:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        def entry(t: TokenInfo) -> dict[str, Any]:
+            return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
 
-        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(a, b) for a, b in t.top]}
-                            for t in infos], "refusal": None}
+        return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in infos], "refusal": None}
 
 
 class CompletionFormat:
@@ -198,4 +197,4 @@ class CompletionFormat:
             offsets.append(pos)
             pos += len(t.token)
         return {"tokens": [t.token for t in infos], "token_logprobs": [t.logprob for t in infos],
-                "top_logprobs": [dict(t.top) for t in infos], "text_offset": offsets}
+                "top_logprobs": [{a.token: a.logprob for a in t.top} for t in infos], "text_offset": offsets}

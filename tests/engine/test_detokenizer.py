@@ -93,13 +93,67 @@ def test_byte_level_tokens_are_partial_characters_and_are_held_back():
     assert detok.finish() == ""
 
 
-def test_finish_flushes_an_incomplete_character():
-    tok = _byte_level_tokenizer()
-    ids = tok.encode("a日")[:2]
-    detok = IncrementalDetokenizer(tok, [])
-    assert detok.add(ids[:1]) == "a" and detok.add(ids[1:]) == ""
-    tail = detok.finish()
-    assert detok.text == tok.decode(ids) and tail.endswith("\ufffd")
+def _reference_token_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """A token's bytes read off its vocabulary entry: GPT-2's byte-to-character table for byte-level BPE, `<0xNN>`
+    and '▁' for SentencePiece with byte fallback."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    piece = tok.convert_ids_to_tokens([token_id])[0]
+    if "▁" in piece or piece.startswith("<0x"):
+        return bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.replace("▁", " ").encode()
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else piece.encode()
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+def test_token_bytes_are_each_tokens_own_bytes_on_random_ids(make):
+    import random
+
+    tok = make()
+    rng = random.Random(5)
+    specials = set(tok.hf.all_special_ids)
+    # llguidance marks special tokens with a leading 0xFF, a byte UTF-8 never has: a token that begins with it
+    # gives nothing (engine/tokenizer.py token_bytes)
+    ids = [i for i in (rng.randrange(tok.vocab_size) for _ in range(400))
+           if i not in specials and not _reference_token_bytes(tok, i).startswith(b"\xff")]
+    assert [tok.token_bytes([i]) for i in ids] == [_reference_token_bytes(tok, i) for i in ids]
+    assert tok.token_bytes(ids) == b"".join(_reference_token_bytes(tok, i) for i in ids)
+    assert tok.token_bytes([tok.vocab_size, tok.vocab_size + 7]) == b""
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+@pytest.mark.parametrize("windows", [False, True], ids=["stream", "windows"])
+def test_finish_drops_only_a_character_the_output_ended_inside(make, windows):
+    """An output cut inside a character (max_tokens) ends before that character: the text is the bytes up to it,
+    whichever tokens held them; every whole character before it stays."""
+    tok = _windows_only(make()) if windows else make()
+    for text in ["ca é日", "hi 🙂", "a 東京タワー", "naïve 👍🏽"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        raw = b"".join(_reference_token_bytes(tok, i) for i in ids)
+        assert raw.decode().lstrip() == text
+        for cut in range(1, len(ids)):
+            kept = b"".join(_reference_token_bytes(tok, i) for i in ids[:-cut])
+            expected = kept.decode("utf-8", "ignore")
+            while expected.encode() != kept[:len(expected.encode())]:
+                expected = expected[:-1]
+            pieces, detok = _stream(tok, ids[:-cut], 1)
+            assert detok.text == "".join(pieces)
+            assert detok.text.lstrip() == expected.lstrip(), (text, cut)
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _sentencepiece_tokenizer, smollm2_tokenizer],
+                         ids=["byte-level", "sentencepiece", "smollm2"])
+@pytest.mark.parametrize("count", [1, 5, 300])
+def test_stray_bytes_at_the_end_stay_one_replacement_character_each(make, count):
+    """Bytes that cannot begin a character (a lone 0x80, as logit_bias can force) are text the output has: all of
+    them stay, at the end as before it."""
+    tok = make()
+    byte = next(i for i in range(tok.vocab_size) if _reference_token_bytes(tok, i) == b"\x80")
+    ids = tok.encode("ok", add_special_tokens=False) + [byte] * count
+    pieces, detok = _stream(tok, ids, 1)
+    assert detok.text == "".join(pieces) == tok.decode(ids) == "ok" + "\ufffd" * count
 
 
 def test_sentencepiece_leading_space_and_byte_fallback():

@@ -99,6 +99,22 @@ def test_chat_logprobs(client):
     assert "".join(t.token for t in content) == r.choices[0].message.content
 
 
+def test_logprobs_bytes_are_each_tokens_own_when_it_holds_part_of_a_character(client, backend):
+    """A token holding the first bytes of a character has those bytes in `bytes` (not U+FFFD's) and its `token`
+    shows them escaped, as OpenAI does; whole tokens show their text."""
+    tokenizer = backend.engine.tokenizer
+    part = next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes([i]) == b"\xe6\x97")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=3, logit_bias={str(part): 100})
+    content = r.choices[0].logprobs.content
+    assert [(t.token, t.bytes) for t in content] == [("\\xe6\\x97", [0xE6, 0x97])] * 3
+    assert all(alt.token == bytes(alt.bytes).decode("utf-8", "backslashreplace")
+               for t in content for alt in t.top_logprobs)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True)
+    assert b"".join(bytes(t.bytes) for t in plain.choices[0].logprobs.content).decode() == \
+        plain.choices[0].message.content
+
+
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "models": {MODEL: "ready"}}

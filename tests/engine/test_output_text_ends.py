@@ -1,0 +1,54 @@
+"""The text an output ends with: a character the output stopped inside of is left out, stray bytes before it are not
+(engine/detokenizer.py finish), at max_tokens and at the end of sequence alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.helpers import write_tiny_model_with_smollm2_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = [1, 10, 200, 33, 47, 300, 21, 99]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    return LLM(write_tiny_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("ends")), device="cpu")
+
+
+def token_of(llm: LLM, raw: bytes) -> int:
+    return next(i for i in range(llm.tokenizer.vocab_size) if llm.tokenizer.token_bytes([i]) == raw)
+
+
+@pytest.mark.parametrize("count", [1, 5, 40, 300])
+def test_stray_bytes_at_max_tokens_stay_in_the_text(llm, count):
+    """A lone 0x80 is no beginning of a character: each one is a U+FFFD of the text, the last ones too (all
+    trailing ones were dropped: 300 gave 297 characters, 5 gave none)."""
+    lone = token_of(llm, b"\x80")
+    [out] = llm.generate([PROMPT], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=count,
+                                                   logit_bias={lone: 100.0})])
+    assert out.outputs[0].token_ids == [lone] * count
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == "\ufffd" * count == llm.tokenizer.decode([lone] * count)
+
+
+def test_a_character_cut_by_max_tokens_is_left_out_and_the_text_before_it_stays(llm):
+    start = token_of(llm, b" \xe6")  # a space and the first byte of a three-byte character
+    [out] = llm.generate([PROMPT], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=1,
+                                                   logit_bias={start: 100.0})])
+    assert out.outputs[0].token_ids == [start] and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == " "
+
+
+def test_stray_bytes_before_the_end_of_sequence_are_in_the_text(llm):
+    """min_tokens holds the end of sequence back for three tokens; then it wins over the stray byte (20 more of bias than it). The bytes held
+    back for a character that never came go out at the end (they were dropped at the end of sequence)."""
+    lone = token_of(llm, b"\x80")
+    eos = min(llm.engine.eos_token_ids)
+    params = SamplingParams(temperature=0, min_tokens=3, max_tokens=10, logit_bias={lone: 80.0, eos: 100.0})
+    [out] = llm.generate([PROMPT], [params])
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[:3] == [lone] * 3
+    assert out.outputs[0].text == "\ufffd" * 3
