@@ -486,7 +486,8 @@ def test_an_idle_replica_sleeps_and_the_next_request_wakes_it_with_the_same_answ
     def ask() -> httpx.Response:
         return httpx.post(f"{platform.url}/v1/chat/completions", timeout=120,
                           headers={"Authorization": f"Bearer {platform.key}"},
-                          json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0})
+                          json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0,
+                                 "logprobs": True})  # never a cached answer, which would not wake the replica
 
     try:
         wait_until(lambda: _listed_name(platform, name), 30, "the sleepy model to be listed")
@@ -555,7 +556,8 @@ def test_a_wake_that_needs_memory_pushes_the_least_recently_used_sleeper_down(pl
     def ask(name: str, wakes: bool = True) -> str:
         r = httpx.post(f"{platform.url}/v1/chat/completions", timeout=120,
                        headers={"Authorization": f"Bearer {platform.key}"},
-                       json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0})
+                       json={"model": name, "messages": question, "max_tokens": 6, "temperature": 0.0,
+                              "logprobs": True})  # never a cached answer, which would not wake the replica
         assert r.status_code == 200, r.text
         assert not wakes or float(r.headers[COLD_START_HEADER]) > 0
         return r.json()["choices"][0]["message"]["content"]
