@@ -40,7 +40,7 @@ class GenerationRequest:
 
 @dataclass
 class TokenInfo:
-    token: str  # its text; where its bytes are part of a character, the bytes escaped ("\\xe6"), as OpenAI shows them
+    token: str  # its text; where its bytes are part of a character, the bytes escaped ("\\xe6"), not U+FFFD
     logprob: float
     bytes: bytes  # the token's own bytes
     top: list[TokenInfo] = field(default_factory=list)

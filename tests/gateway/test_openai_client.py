@@ -101,7 +101,7 @@ def test_chat_logprobs(client):
 
 def test_logprobs_bytes_are_each_tokens_own_when_it_holds_part_of_a_character(client, backend):
     """A token holding the first bytes of a character has those bytes in `bytes` (not U+FFFD's) and its `token`
-    shows them escaped, as OpenAI does; whole tokens show their text."""
+    shows them escaped (not U+FFFD); whole tokens show their text."""
     tokenizer = backend.engine.tokenizer
     part = next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes([i]) == b"\xe6\x97")
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
