@@ -7,6 +7,7 @@ text that may still turn out to begin a stop string is held back until it cannot
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -118,8 +119,9 @@ class OutputProcessor:
         params = seq.params
         token_ids = seq.token_ids
         token_ids.append(token)
-        if item.logprob is not None and seq.logprobs is not None:
-            seq.logprobs.append(item.logprob)
+        logprobs = seq.logprobs if item.logprob is not None else None
+        if logprobs is not None:
+            logprobs.append(item.logprob)
         finish: str | None = None
         stop_reason: str | int | None = None
         if token in params.stop_token_ids:
@@ -137,8 +139,11 @@ class OutputProcessor:
             num_tokens = len(token_ids)
             if not (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens
                     or num_tokens >= self.max_model_len):
+                if logprobs is not None:
+                    seq.logprob_text_ends.append(len(seq.text))
                 return False
             finish = "length"
+        stopped_by_token = finish == "stop" and stop_reason is None or isinstance(stop_reason, int)
         if detokenizer is not None and not isinstance(stop_reason, str):
             # the text held back for a character that was still to complete goes out, less that character
             held = detokenizer.finish()
@@ -148,6 +153,13 @@ class OutputProcessor:
                     stop_finish, stop_string = _check_stop_strings(seq, len(held))
                     if stop_finish is not None:
                         finish, stop_reason = stop_finish, stop_string
+        if logprobs is not None:
+            seq.logprob_text_ends.append(len(seq.text))
+            if stopped_by_token:  # the end of sequence or a stop token is no part of the output's text
+                logprobs.pop()
+                seq.logprob_text_ends.pop()
+        if isinstance(stop_reason, str) and seq.logprobs is not None:
+            _drop_logprobs_past(seq, len(seq.text))
         seq.finish_reason, seq.stop_reason = finish, stop_reason
         return True
 
@@ -205,11 +217,23 @@ def _emit(seq: Sequence) -> CompletionDelta:
     delta_text = text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
     delta_lp = None
     if seq.logprobs is not None:
-        delta_lp = seq.logprobs[seq.num_emitted_logprobs:]
-        seq.num_emitted_logprobs = len(seq.logprobs)
+        # a token's logprob goes out with its text: a stop string may still cut off the text held back
+        ready = len(seq.logprobs) if visible == len(text) else bisect.bisect_right(seq.logprob_text_ends, visible)
+        delta_lp = seq.logprobs[seq.num_emitted_logprobs:ready]
+        seq.num_emitted_logprobs = max(seq.num_emitted_logprobs, ready)
     seq.num_emitted_tokens += len(delta_ids)
     seq.num_emitted_chars = visible
     return seq.index, delta_text, delta_ids, delta_lp, seq.finish_reason, seq.stop_reason
+
+
+def _drop_logprobs_past(seq: Sequence, cut: int) -> None:
+    """Drops the logprobs of the tokens whose text begins at or past `cut`, where a stop string cut the text."""
+    ends = seq.logprob_text_ends
+    keep = 0
+    while keep < len(ends) and (ends[keep - 1] if keep else 0) < cut:
+        keep += 1
+    keep = max(keep, seq.num_emitted_logprobs)
+    del seq.logprobs[keep:], ends[keep:]
 
 
 def _check_stop_strings(seq: Sequence, num_new_chars: int) -> tuple[str | None, str | None]:

@@ -67,6 +67,9 @@ class Sequence:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # len(text) once each token of `logprobs` was added: a token's logprob goes out with its text, and one whose
+        # text a stop cut off is not in the output
+        self.logprob_text_ends: list[int] = []
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
         self.num_emitted_tokens = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,12 +159,15 @@ class CompletionFormat:
     def __init__(self, want_logprobs: bool) -> None:
         self.want_logprobs = want_logprobs
         self._bytes: _DeltaBytes | None = None
+        self._streamed_offsets: dict[int, _TextOffsets] = {}  # a streamed choice's, from one delta to the next
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[dict[str, Any]]:
         return []
 
     def delta(self, rid: str, created: int, model: str, c: ChoiceDelta) -> dict[str, Any]:
-        lp = self._logprobs(c.logprobs) if self.want_logprobs and c.logprobs is not None else None
+        lp = None
+        if self.want_logprobs and c.logprobs is not None:
+            lp = self._logprobs(c.logprobs, self._streamed_offsets.setdefault(c.index, _TextOffsets()))
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": lp,
                              "finish_reason": _finish(c.finish_reason)}]}
@@ -185,16 +189,29 @@ class CompletionFormat:
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": "".join(c.text),
-                         "logprobs": self._logprobs(c.logprobs) if self.want_logprobs else None,
+                         "logprobs": self._logprobs(c.logprobs, _TextOffsets()) if self.want_logprobs else None,
                          "finish_reason": _finish(c.finish_reason)} for i, c in enumerate(choices)],
             "usage": u,
         }
 
     @staticmethod
-    def _logprobs(infos: list[TokenInfo]) -> dict[str, Any]:
-        offsets, pos = [], 0
-        for t in infos:
-            offsets.append(pos)
-            pos += len(t.token)
+    def _logprobs(infos: list[TokenInfo], offsets: _TextOffsets) -> dict[str, Any]:
         return {"tokens": [t.token for t in infos], "token_logprobs": [t.logprob for t in infos],
-                "top_logprobs": [{a.token: a.logprob for a in t.top} for t in infos], "text_offset": offsets}
+                "top_logprobs": [{a.token: a.logprob for a in t.top} for t in infos],
+                "text_offset": offsets.of(infos)}
+
+
+class _TextOffsets:
+    """Where each token's text begins in its choice's text: the characters its tokens' bytes made before it (one
+    that begins inside a character is at that character)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def of(self, infos: list[TokenInfo]) -> list[int]:
+        offsets = []
+        for t in infos:
+            offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(t.bytes))
+        return offsets

@@ -1,5 +1,6 @@
-"""The text an output ends with: a character the output stopped inside of is left out, stray bytes before it are not
-(engine/detokenizer.py finish), at max_tokens and at the end of sequence alike."""
+"""How an output ends: a character the output stopped inside of is left out of its text, stray bytes before it are
+not (engine/detokenizer.py finish), at max_tokens and at the end of sequence alike; the logprobs are those of the
+tokens whose text the output keeps (no end of sequence, nothing past a stop string)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,31 @@ def test_stray_bytes_before_the_end_of_sequence_are_in_the_text(llm):
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids[:3] == [lone] * 3
     assert out.outputs[0].text == "\ufffd" * 3
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_logprobs_are_those_of_the_tokens_whose_text_the_output_keeps(llm, include_stop):
+    """A stop string cuts the text: the tokens that begin past the cut lose their logprobs; a token that holds the
+    cut keeps its. Letters only (a regex), so each prefix of tokens decodes to a prefix of the text."""
+    letters = {"regex": "[a-z]{40}"}
+    [free] = llm.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=60, structured_outputs=letters,
+                                                    logprobs=0)])
+    ids, text = free.outputs[0].token_ids, free.outputs[0].text
+    stop = text[15:18]
+    at = text.index(stop)
+    cut = at + len(stop) if include_stop else at
+    starts = [len(llm.tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    kept = sum(1 for start in starts if start < cut)
+    [out] = llm.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=60, structured_outputs=letters,
+                                                   logprobs=0, stop=[stop], include_stop_str_in_output=include_stop)])
+    assert out.outputs[0].text == text[:cut] and out.outputs[0].stop_reason == stop
+    assert [lp.token_id for lp in out.outputs[0].logprobs] == ids[:kept]
+
+
+def test_the_end_of_sequence_has_no_logprob(llm):
+    eos = min(llm.engine.eos_token_ids)
+    [out] = llm.generate([PROMPT], [SamplingParams(temperature=0, min_tokens=3, max_tokens=10, logprobs=2,
+                                                   logit_bias={eos: 100.0})])
+    ids = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "stop" and ids[-1] == eos and len(ids) == 4
+    assert [lp.token_id for lp in out.outputs[0].logprobs] == ids[:3]

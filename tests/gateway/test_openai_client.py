@@ -115,6 +115,49 @@ def test_logprobs_bytes_are_each_tokens_own_when_it_holds_part_of_a_character(cl
         plain.choices[0].message.content
 
 
+def _joined_bytes(content) -> str:
+    return b"".join(bytes(t.bytes) for t in content).decode()
+
+
+def test_logprobs_are_the_contents_tokens_only_at_a_stop(client):
+    """The end of sequence and the tokens a stop string cut off have no logprobs: the tokens' bytes put together are
+    the content, streamed or whole."""
+    ended = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                           logprobs=True)
+    assert ended.choices[0].finish_reason == "stop"  # SmolLM2 ends this answer itself
+    content = ended.choices[0].message.content
+    assert _joined_bytes(ended.choices[0].logprobs.content) == content
+    assert len(ended.choices[0].logprobs.content) == ended.usage.completion_tokens - 1  # the end token is billed
+    stop = content[len(content) // 2:][:4]  # four characters from the middle of the answer
+    for stream in (False, True):
+        if stream:
+            chunks = [c for c in client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, logprobs=True, stop=[stop],
+                stream=True) if c.choices]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        else:
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                               logprobs=True, stop=[stop])
+            text, tokens = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert text == content[:content.index(stop)]
+        joined = _joined_bytes(tokens)  # the last token may hold the stop string's beginning
+        assert joined.startswith(text) and len(_joined_bytes(tokens[:-1])) < len(text), (stream, stop, joined)
+
+
+def test_completions_text_offsets_are_where_each_token_begins(client):
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
+    lp = whole.choices[0].logprobs
+    text = whole.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]  # ASCII: a char a byte
+    assert all(text[offset:].startswith(token) for offset, token in zip(lp.text_offset, lp.tokens))
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1, stream=True) if c.choices
+        and c.choices[0].logprobs]
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset  # the offsets go on from chunk to chunk
+
+
 def test_models_health_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "models": {MODEL: "ready"}}
