@@ -143,7 +143,7 @@ class OutputProcessor:
                     seq.logprob_text_ends.append(len(seq.text))
                 return False
             finish = "length"
-        stopped_by_token = finish == "stop" and stop_reason is None or isinstance(stop_reason, int)
+        stopped_by_token = finish == "stop" and not isinstance(stop_reason, str)
         if detokenizer is not None and not isinstance(stop_reason, str):
             # the text held back for a character that was still to complete goes out, less that character
             held = detokenizer.finish()
