@@ -217,8 +217,11 @@ def _emit(seq: Sequence) -> CompletionDelta:
     delta_text = text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
     delta_lp = None
     if seq.logprobs is not None:
-        # a token's logprob goes out with its text: a stop string may still cut off the text held back
-        ready = len(seq.logprobs) if visible == len(text) else bisect.bisect_right(seq.logprob_text_ends, visible)
+        ready = len(seq.logprobs)
+        if stop and not seq.finished:
+            # the tokens whose text begins before `visible` (where a stop string not found yet can begin at the
+            # earliest); one whose text is held back for a character still to complete begins past it
+            ready = min(ready, bisect.bisect_left(seq.logprob_text_ends, visible) + 1) if visible else 0
         delta_lp = seq.logprobs[seq.num_emitted_logprobs:ready]
         seq.num_emitted_logprobs = max(seq.num_emitted_logprobs, ready)
     seq.num_emitted_tokens += len(delta_ids)

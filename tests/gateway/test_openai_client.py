@@ -119,25 +119,32 @@ def _joined_bytes(content) -> str:
     return b"".join(bytes(t.bytes) for t in content).decode()
 
 
-def test_logprobs_are_the_contents_tokens_only_at_a_stop(client):
+JAPANESE = [{"role": "user", "content": "日本の首都はどこですか？日本語で答えてください。"}]
+
+
+@pytest.mark.parametrize("messages, stop", [(MESSAGES, None), (JAPANESE, "語")], ids=["english", "split-stop"])
+def test_logprobs_are_the_contents_tokens_only_at_a_stop(client, messages, stop):
     """The end of sequence and the tokens a stop string cut off have no logprobs: the tokens' bytes put together are
-    the content, streamed or whole."""
-    ended = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+    the content, streamed or whole. The Japanese answer's 語 is three byte tokens: a stop string that begins with it
+    keeps none of them."""
+    ended = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
                                            logprobs=True)
-    assert ended.choices[0].finish_reason == "stop"  # SmolLM2 ends this answer itself
     content = ended.choices[0].message.content
-    assert _joined_bytes(ended.choices[0].logprobs.content) == content
-    assert len(ended.choices[0].logprobs.content) == ended.usage.completion_tokens - 1  # the end token is billed
-    stop = content[len(content) // 2:][:4]  # four characters from the middle of the answer
+    if messages is MESSAGES:  # SmolLM2 ends this answer itself (the Japanese one runs on)
+        assert ended.choices[0].finish_reason == "stop"
+        assert _joined_bytes(ended.choices[0].logprobs.content) == content
+        assert len(ended.choices[0].logprobs.content) == ended.usage.completion_tokens - 1  # the end token is billed
+    stop = stop or content[len(content) // 2:][:4]  # four characters from the middle of the answer
+    assert stop in content
     for stream in (False, True):
         if stream:
             chunks = [c for c in client.chat.completions.create(
-                model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, logprobs=True, stop=[stop],
+                model=MODEL, messages=messages, max_tokens=60, temperature=0, logprobs=True, stop=[stop],
                 stream=True) if c.choices]
             text = "".join(c.choices[0].delta.content or "" for c in chunks)
             tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
         else:
-            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+            r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
                                                logprobs=True, stop=[stop])
             text, tokens = r.choices[0].message.content, r.choices[0].logprobs.content
         assert text == content[:content.index(stop)]
