@@ -143,16 +143,15 @@ def run_until_stopped(settings: Settings, owns_platform: bool) -> int:
     if not owns_platform:
         print("left the platform running on the Ray cluster", file=sys.stderr)
         return 0
-    from gateway.serving.deploy import forget_platform
-    from gateway.serving.stop import cluster_went_down, stop_platform
+    from gateway.serving.stop import ClusterGone, stop_platform
 
-    if cluster_went_down():
-        forget_platform(settings)
+    print(f"stopping the platform (in-flight requests may finish for up to {settings.drain_s:g} s)", file=sys.stderr)
+    try:
+        left = stop_platform(settings)
+    except ClusterGone:
         print("Ray's own processes stopped with the same signal (it reached the whole process group): the requests "
               "in flight ended with them, nothing was drained; the platform has stopped", file=sys.stderr, flush=True)
         os._exit(1)  # Ray's shutdown in this process would wait 60 s for the GCS that is gone
-    print(f"stopping the platform (in-flight requests may finish for up to {settings.drain_s:g} s)", file=sys.stderr)
-    left = stop_platform(settings)
     if left:
         print(f"{left} requests were still running after the drain window: each was ended (a 503, or an error event "
               "before its stream's end) and recorded cancelled with the tokens it generated", file=sys.stderr)

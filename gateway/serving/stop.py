@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 from gateway.serving.names import GATEWAY_APP
@@ -46,14 +47,27 @@ def cluster_went_down(settle_s: float = 1.0) -> bool:
         time.sleep(0.1)
 
 
+class ClusterGone(RuntimeError):
+    """Ray's own processes went down with the signal that stops the platform: nothing is left to drain or stop."""
+
+
 def stop_platform(settings: Settings) -> int:
+    """Drains the gateway, then stops Serve and Ray; how many requests the drain window ended. The gateway starts
+    refusing new requests at once, while the cluster's GCS is checked: ClusterGone where it went down too (then
+    nothing of Ray may be called here: each call would wait 60 s for it)."""
     import ray
     from ray import serve
 
     from gateway.serving.deploy import forget_platform
 
-    left = drain_gateway(settings)
+    left: list[int] = []
+    draining = threading.Thread(target=lambda: left.append(drain_gateway(settings)), daemon=True)
+    draining.start()
+    if cluster_went_down():
+        forget_platform(settings)
+        raise ClusterGone
+    draining.join()
     serve.shutdown()
     ray.shutdown()
     forget_platform(settings)
-    return left
+    return left[0] if left else 0
