@@ -84,15 +84,14 @@ class IncrementalDetokenizer:
         piece = self._emit(final=True)
         if not piece.endswith(_REPLACEMENT_CHAR):
             return piece
-        held = self._ids[start:]
-        token_bytes = self._tokenizer.token_bytes
-        unfinished = _unfinished_character_bytes(token_bytes(held, self._skip_special_tokens))
+        held = [self._tokenizer.token_bytes([t], self._skip_special_tokens) for t in self._ids[start:]]
+        unfinished = _unfinished_character_bytes(b"".join(held))
         if not unfinished:
             return piece
         tail, covered = 0, 0  # the fewest last tokens that hold the unfinished character's bytes
         while covered < unfinished:
             tail += 1
-            covered += len(token_bytes([held[-tail]], self._skip_special_tokens))
+            covered += len(held[-tail])
         if covered == unfinished:  # they hold nothing else (a byte-fallback decoder gives each its own U+FFFD)
             context = self._decode(self._ids[context_start:start])
             window = self._decode(self._ids[context_start:len(self._ids) - tail])

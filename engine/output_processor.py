@@ -217,11 +217,9 @@ def _emit(seq: Sequence) -> CompletionDelta:
     delta_text = text[seq.num_emitted_chars:visible] if visible > seq.num_emitted_chars else ""
     delta_lp = None
     if seq.logprobs is not None:
-        ready = len(seq.logprobs)
-        if stop and not seq.finished:
-            # the tokens whose text begins before `visible` (where a stop string not found yet can begin at the
-            # earliest); one whose text is held back for a character still to complete begins past it
-            ready = min(ready, bisect.bisect_left(seq.logprob_text_ends, visible) + 1) if visible else 0
+        # while a stop string not found yet can still begin at `visible`, only the tokens whose text begins before
+        # it (one whose text is held back for a character still to complete begins past it)
+        ready = _tokens_beginning_before(seq, visible) if stop and not seq.finished else len(seq.logprobs)
         delta_lp = seq.logprobs[seq.num_emitted_logprobs:ready]
         seq.num_emitted_logprobs = max(seq.num_emitted_logprobs, ready)
     seq.num_emitted_tokens += len(delta_ids)
@@ -229,14 +227,16 @@ def _emit(seq: Sequence) -> CompletionDelta:
     return seq.index, delta_text, delta_ids, delta_lp, seq.finish_reason, seq.stop_reason
 
 
+def _tokens_beginning_before(seq: Sequence, chars: int) -> int:
+    """How many of the tokens with logprobs begin their text before character `chars` (token i begins where token
+    i - 1's text ends)."""
+    return min(len(seq.logprob_text_ends), bisect.bisect_left(seq.logprob_text_ends, chars) + 1) if chars else 0
+
+
 def _drop_logprobs_past(seq: Sequence, cut: int) -> None:
     """Drops the logprobs of the tokens whose text begins at or past `cut`, where a stop string cut the text."""
-    ends = seq.logprob_text_ends
-    keep = 0
-    while keep < len(ends) and (ends[keep - 1] if keep else 0) < cut:
-        keep += 1
-    keep = max(keep, seq.num_emitted_logprobs)
-    del seq.logprobs[keep:], ends[keep:]
+    keep = max(_tokens_beginning_before(seq, cut), seq.num_emitted_logprobs)
+    del seq.logprobs[keep:], seq.logprob_text_ends[keep:]
 
 
 def _check_stop_strings(seq: Sequence, num_new_chars: int) -> tuple[str | None, str | None]:
