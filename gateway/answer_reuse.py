@@ -82,6 +82,9 @@ class AnswerReuse:
         try:  # embedding the prompt is CPU work: keep it off the event loop
             found = await asyncio.to_thread(self.cache.consult, decision.namespace, decision.prompt, None,
                                             max_false_hit_rate)
+        except ConnectionError as error:  # the cache deployment is stopping (or unreachable): the model answers
+            log.warning("semantic cache lookup skipped: %s", error)
+            return CacheOutcome(None)
         except Exception:  # a broken cache must never fail a request: the model answers instead
             log.exception("semantic cache lookup failed")
             return CacheOutcome(None)
@@ -135,6 +138,8 @@ class AnswerReuse:
                 await asyncio.to_thread(self.cache.learn, decision.namespace, learning.entry_id, learning.score,
                                         answer, None, learning.explored)
             await asyncio.to_thread(self.cache.store, decision.namespace, decision.prompt, answer, usage)
+        except ConnectionError as error:  # the cache deployment is stopping (or unreachable): the answer is not kept
+            log.warning("semantic cache store skipped: %s", error)
         except Exception:
             log.exception("semantic cache store failed")
 

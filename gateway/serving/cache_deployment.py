@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 
 from cache.namespace import Namespace
 from cache.store import FlagRecord
@@ -67,34 +68,42 @@ class ServeCacheClient:
         self.handle = handle
 
     def lookup(self, namespace: Namespace, prompt: str) -> Hit | None:
-        return self.handle.lookup.remote(namespace, prompt).result(timeout_s=LOOKUP_TIMEOUT_S)
+        return _result(self.handle.lookup.remote(namespace, prompt), LOOKUP_TIMEOUT_S)
 
     def consult(self, namespace: Namespace, prompt: str, embedding: None = None,
                 max_false_hit_rate: float | None = None) -> Lookup:
-        return self.handle.consult.remote(namespace, prompt, max_false_hit_rate).result(timeout_s=LOOKUP_TIMEOUT_S)
+        return _result(self.handle.consult.remote(namespace, prompt, max_false_hit_rate), LOOKUP_TIMEOUT_S)
 
     def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
               answer_embedding: None = None, explored: bool = False) -> bool | None:
-        return self.handle.learn.remote(namespace, entry_id, score, answer, explored).result(
-            timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.learn.remote(namespace, entry_id, score, answer, explored), STORE_TIMEOUT_S)
 
     def note_served(self, response_id: str, namespace: Namespace, lookup: Lookup) -> None:
-        self.handle.note_served.remote(response_id, namespace, lookup).result(timeout_s=STORE_TIMEOUT_S)
+        _result(self.handle.note_served.remote(response_id, namespace, lookup), STORE_TIMEOUT_S)
 
     def flag(self, tenant: str, response_id: str) -> Flagged | None:
-        return self.handle.flag.remote(tenant, response_id).result(timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.flag.remote(tenant, response_id), STORE_TIMEOUT_S)
 
     def store(self, namespace: Namespace, prompt: str, answer: str, usage: dict[str, Any]) -> int:
-        return self.handle.store.remote(namespace, prompt, answer, usage).result(timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.store.remote(namespace, prompt, answer, usage), STORE_TIMEOUT_S)
 
     def flagged(self, tenant: str | None = None, limit: int = 100) -> list[FlagRecord]:
-        return self.handle.flagged.remote(tenant, limit).result(timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.flagged.remote(tenant, limit), STORE_TIMEOUT_S)
 
     def tenant_report(self) -> dict[str, dict[str, Any]]:
-        return self.handle.tenant_report.remote().result(timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.tenant_report.remote(), STORE_TIMEOUT_S)
 
     def flush(self, tenant: str) -> int:
-        return self.handle.flush.remote(tenant).result(timeout_s=STORE_TIMEOUT_S)
+        return _result(self.handle.flush.remote(tenant), STORE_TIMEOUT_S)
 
     def close(self) -> None:
         """The deployment owns the cache; a gateway replica going away leaves it open."""
+
+
+def _result(response: Any, timeout_s: float) -> Any:
+    """The call's result. A call the deployment cancelled (it is stopping) is a ConnectionError, which the gateway
+    logs in one line where it goes on without the cache (gateway/answer_reuse.py)."""
+    try:
+        return response.result(timeout_s=timeout_s)
+    except RequestCancelledError as error:
+        raise ConnectionError(f"the semantic cache deployment cancelled the call (stopping): {error}") from None
