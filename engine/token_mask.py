@@ -378,6 +378,7 @@ class TokenMasker:
         started = time.perf_counter()
         tokens, self._to_send = self._to_send, None
         staged, self._staged = self._staged, False
+        collected = self.collect_seconds
         if self._in_processes is not None:  # the round trip the GPU waited for
             self._collect()
         steady = self._steady
@@ -385,8 +386,9 @@ class TokenMasker:
             values = tokens.tolist()
             if not (self._steady_goes_on(steady, tokens) and self._send_steady(steady, tokens, values)):
                 self._send_planned(tokens, values)
-        self.seconds += time.perf_counter() - started
-        self.send_seconds += time.perf_counter() - started
+        sending = time.perf_counter() - started - (self.collect_seconds - collected)  # _collect counted its own
+        self.seconds += sending
+        self.send_seconds += sending
 
     @staticmethod
     def _steady_goes_on(steady: _Steady | None, tokens: DeferredTokens) -> bool:
