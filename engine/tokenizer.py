@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.model_config import token_id_tuple
 from engine.tool_prompt import fallback_messages, template_has_tool_section, uses_tools
+from engine.vocab_bytes import VocabularyBytes, vocabulary_encoding
 from tollgate import envs
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -27,6 +28,7 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self._backend = _backend_tokenizer(hf_tokenizer)  # the Rust tokenizer when decoding straight through it
         self._byte_view: Any = None  # llguidance's view, which knows each token's bytes (built on first use)
+        self._vocabulary_bytes: VocabularyBytes | None | bool = None  # the common encodings' bytes without it
         self._byte_view_lock = threading.Lock()
 
     @classmethod
@@ -87,9 +89,15 @@ class Tokenizer:
 
     def token_bytes(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
         """The tokens' own bytes: a token holding part of a character gives that part, where decode() gives U+FFFD.
-        A special token gives its text; an id past the vocabulary nothing, and so does a token beginning with byte 0xFF
-        (never in UTF-8 text: llguidance marks special tokens with it). The first call builds llguidance's view of
-        the vocabulary (0.3 s for 49k tokens); a tokenizer it cannot read gives decode()'s text as UTF-8."""
+        A special token gives its text; an id past the vocabulary nothing. Read off the vocabulary for byte-level and
+        byte-fallback tokenizers (engine/vocab_bytes.py); any other token, or tokenizer, has the first call build
+        llguidance's view of the vocabulary (0.3 s for 49k tokens), which gives nothing for a token beginning with byte
+        0xFF (it marks special tokens with it); a tokenizer it cannot read gives decode()'s text as UTF-8."""
+        vocabulary_bytes = self._vocabulary_reader()
+        if vocabulary_bytes is not None:
+            read = vocabulary_bytes(token_ids)
+            if read is not None:
+                return read
         view = self._bytes_view()
         if view is None:
             return self.decode(token_ids, skip_special_tokens).encode("utf-8")
@@ -99,8 +107,15 @@ class Tokenizer:
 
     @property
     def knows_token_bytes(self) -> bool:
-        """Whether token_bytes() is ready without building its view first."""
-        return self._byte_view is not None
+        """Whether token_bytes() is ready without building llguidance's view first (for an added or special token a
+        byte-level or byte-fallback tokenizer still builds it)."""
+        return self._vocabulary_reader() is not None or self._byte_view is not None
+
+    def _vocabulary_reader(self) -> VocabularyBytes | None:
+        if self._vocabulary_bytes is None:
+            encoding = vocabulary_encoding(self._hf)
+            self._vocabulary_bytes = VocabularyBytes(self._hf, encoding) if encoding else False
+        return self._vocabulary_bytes or None
 
     def _bytes_view(self) -> Any:
         if self._byte_view is None:
