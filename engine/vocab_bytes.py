@@ -38,11 +38,12 @@ def vocabulary_encoding(hf_tokenizer: Any) -> str | None:
         spec = json.loads(decoder.__getstate__())
     except (TypeError, ValueError, AttributeError):
         return None
-    kinds = [part.get("type") for part in spec.get("decoders", [spec])]
+    parts = spec.get("decoders", [spec])  # a Sequence's decoders, or the one decoder
+    kinds = [part.get("type") for part in parts]
     if kinds == ["ByteLevel"]:
         return BYTE_LEVEL
     spaces = any(part.get("type") == "Replace" and part.get("pattern", {}).get("String") == "▁"
-                 and part.get("content") == " " for part in spec.get("decoders", []))
+                 and part.get("content") == " " for part in parts)
     if "ByteFallback" in kinds and spaces and "ByteLevel" not in kinds and "Metaspace" not in kinds:
         return BYTE_FALLBACK
     return None
