@@ -298,7 +298,11 @@ class MaskProcesses:
             found = self._device_slots[half, tokens.numel()] = (slots, slots.data_ptr(), slots.nbytes)
         slots, address, nbytes = found
         ctypes.memset(address, NO_TOKEN & 0xFF, nbytes)  # no worker reads this half's slots now
-        slots.copy_(tokens, non_blocking=True)
+        ops = self.stream_ops
+        if ops is not None and tokens.is_cuda and tokens.dtype == slots.dtype and tokens.is_contiguous():
+            ops.copy_to_host(address, tokens.data_ptr(), nbytes, ops.current_stream(tokens.device.index))
+        else:
+            slots.copy_(tokens, non_blocking=True)
 
     def _run_plans(self, half: int, kind: int) -> None:
         for index, keys in self._last_plans:

@@ -1,6 +1,7 @@
 """CUDA driver calls that torch lacks or makes dear, through ctypes on libcuda: a stream that waits on a counter in
-host memory (cuStreamWaitValue32), and a copy to the device with its event, launched in a few microseconds (torch's
-stream context, non-blocking copy, wait_stream and record_stream cost the engine thread about 50 us a step).
+host memory (cuStreamWaitValue32), and copies to and from the device with their events, launched in a few
+microseconds (torch's stream context, non-blocking copy, wait_stream and record_stream cost the engine thread about
+50 us a step).
 
 A stream waiting on a counter holds its later work until (int32)(*counter - value) >= 0, a greater-or-equal that
 survives the counter's 32-bit wrap; the counter's memory must be registered with CUDA (cudaHostRegister) and is
@@ -34,6 +35,7 @@ class StreamOps:
         self._wait = function("cuStreamWaitValue32_v2" if hasattr(driver, "cuStreamWaitValue32_v2")
                               else "cuStreamWaitValue32", p, u64, ctypes.c_uint32, u32)
         self._copy = function("cuMemcpyHtoDAsync_v2", u64, p, ctypes.c_size_t, p)
+        self._copy_back = function("cuMemcpyDtoHAsync_v2", p, u64, ctypes.c_size_t, p)
         self._event_create = function("cuEventCreate", ctypes.POINTER(p), u32)
         self._record = function("cuEventRecord", p, p)
         self._wait_event = function("cuStreamWaitEvent", p, p, u32)
@@ -57,6 +59,16 @@ class StreamOps:
     def copy_to_device(self, destination: int, source: int, nbytes: int, stream: int) -> None:
         """An asynchronous copy of nbytes from pinned (or registered) host memory to device memory on `stream`."""
         self._check(self._copy(destination, source, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def copy_to_host(self, destination: int, source: int, nbytes: int, stream: int) -> None:
+        """An asynchronous copy of nbytes from device memory to pinned (or registered) host memory on `stream`."""
+        self._check(self._copy_back(destination, source, nbytes, stream), "cuMemcpyDtoHAsync")
+
+    @staticmethod
+    def current_stream(device_index: int) -> int:
+        """The CUstream handle of torch's current stream on the device: torch.cuda.current_stream(d).cuda_stream
+        without building a Stream object."""
+        return torch._C._cuda_getCurrentRawStream(device_index)
 
     def new_event(self) -> int:
         """A CUevent without timing, for record / wait_event (never destroyed: one is kept per user)."""

@@ -141,6 +141,7 @@ class TokenMasker:
         self._device_halves: list[torch.Tensor] = []
         self._device_halves_of: MaskProcesses | None = None
         self._copied: int | None = None
+        self._device_index = -1
         self._uploads: dict[tuple[int, int], tuple[torch.Tensor, int, int, int, int]] = {}
         # totals over the engine's life, for benchmarks: engine-thread seconds spent on masks (waiting for the
         # worker included), worker seconds, seconds in llguidance's calls on either thread (taking the GIL back
@@ -295,6 +296,7 @@ class TokenMasker:
                                    for h in (0, 1)]
             self._device_halves_of = pool
             self._copied = self._copied or ops.new_event()
+            self._device_index = self._device_halves[0].device.index
         key = (ahead.half, ahead.words.shape[0])
         found = self._uploads.get(key)
         if found is None:
@@ -305,7 +307,7 @@ class TokenMasker:
         pool.wait_on_device(copy_stream)
         ops.copy_to_device(destination, source, nbytes, copy_stream)
         ops.record(self._copied, copy_stream)
-        ops.wait_event(torch.cuda.current_stream(self.device).cuda_stream, self._copied)
+        ops.wait_event(ops.current_stream(self._device_index), self._copied)
         return target
 
     def _device_rows(self, rows: tuple[int, ...], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
