@@ -84,6 +84,9 @@ def database_unavailable(retry_after: int = 5) -> APIError:
                     "server_error", "service_unavailable", None, {"Retry-After": str(retry_after)})
 
 
+UNRECOGNIZED = "unrecognized request argument; this server does not support it"
+
+
 def invalid_body(errors: Sequence[Any]) -> APIError:
     """The 400 for a body that failed validation (pydantic's or FastAPI's errors: a location may start with "body")."""
     first = errors[0] if errors else {}
@@ -92,16 +95,16 @@ def invalid_body(errors: Sequence[Any]) -> APIError:
         return invalid_json()
     if first.get("type") == "extra_forbidden" and loc:
         param = ".".join(loc)
-        return invalid_request(f"{param}: unrecognized request argument; this server does not support it", param,
-                               "unknown_parameter")
+        return invalid_request(f"{param}: {UNRECOGNIZED}", param, "unknown_parameter")
     msg = str(first.get("msg", "Invalid request body")).removeprefix("Value error, ")
     head, sep, rest = msg.partition(": ")
     if sep and head and " " not in head:  # our validators say "field.path: problem"
         loc, msg = (loc if loc[-1:] == [head] else [*loc, head]), rest
     param = ".".join(loc) or None
+    code = "unknown_parameter" if msg == UNRECOGNIZED else "invalid_value" if loc else "invalid_body"
     if loc:
         msg = f"{param}: {msg}"
-    return invalid_request(msg, param, "invalid_value" if loc else "invalid_body")
+    return invalid_request(msg, param, code)
 
 
 def invalid_json() -> APIError:

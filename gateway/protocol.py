@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.errors import UNRECOGNIZED
 from gateway.tool_calls.request import ToolCall, ToolFields, check_tool_history, check_tool_message, with_tool_fields
 from gateway.unsupported_fields import CHAT_ONLY_AT, refusal
 
@@ -34,6 +35,31 @@ class ChatMessage(_Body):
     refusal: str | None = None  # an earlier assistant refusal, as the SDK replays a response's message
     tool_calls: list[ToolCall] | None = None  # assistant (gateway/tool_calls/)
     tool_call_id: str | None = None  # tool
+    # the rest of a response message as the SDK's model_dump() replays it: taken where it says nothing
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _no_citations(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("url citations come from web search, which this server does not run; send [] or null")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("audio answers are not supported: the models here answer in text; send null")
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("the deprecated functions API is not supported; send the call as tool_calls")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -52,8 +78,7 @@ class ChatMessage(_Body):
             except ValidationError as e:
                 first = e.errors()[0]
                 where = ".".join(str(p) for p in (i, *first["loc"]))
-                why = ("unrecognized request argument; this server does not support it"
-                       if first["type"] == "extra_forbidden" else first["msg"])
+                why = UNRECOGNIZED if first["type"] == "extra_forbidden" else first["msg"]
                 raise ValueError(f"{where}: {why}") from None
         return parts
 
@@ -100,7 +125,7 @@ class JSONSchemaFormat(_Closed):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # the schema is enforced either way
+    strict: bool | None = None  # the schema is enforced either way; strict also closes its objects (no undeclared keys)
 
 
 class ResponseFormat(_Closed):

@@ -11,7 +11,7 @@ from engine.grammar import check as check_constraint
 from engine.structured_outputs import StructuredOutputs
 from gateway.errors import APIError, invalid_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.schema_check import check_json_schema
+from gateway.schema_check import check_json_schema, closed_schema
 
 MAX_STOP = 4
 UNSUPPORTED_VLLM_FIELDS = ("guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
@@ -76,7 +76,9 @@ def structured_outputs(body: ChatCompletionRequest | CompletionRequest) -> Struc
                                   "response_format.json_schema")
         if fmt.json_schema.schema_ is None:
             raise invalid_request("response_format.json_schema.schema: required", "response_format.json_schema.schema")
-        given.append(StructuredOutputs(json=fmt.json_schema.schema_, field_name="response_format.json_schema.schema"))
+        schema = fmt.json_schema.schema_
+        given.append(StructuredOutputs(json=closed_schema(schema) if fmt.json_schema.strict else schema,
+                                       field_name="response_format.json_schema.schema"))
     if body.structured_outputs is not None:
         extra = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         given.append(StructuredOutputs.of(extra))

@@ -3,6 +3,7 @@ mistake is (llguidance's own errors name the problem, not its place)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jsonschema
@@ -24,3 +25,32 @@ def not_a_schema(e: SchemaError, field: str) -> APIError:
     where = "/".join(str(p) for p in e.path)
     return invalid_request(f"{field}: not a valid JSON schema: {e.message}" + (f" (at {where})" if where else ""),
                            field)
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the schema with `additionalProperties: false` on each object schema that lists properties and says
+    nothing of others: the model writes the declared keys only (still valid against the schema as sent), instead of
+    inventing more until max_tokens. For tool arguments, and for response_format's json_schema with strict: true
+    (OpenAI's strict mode writes no undeclared keys)."""
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if (isinstance(node.get("properties"), dict) and "additionalProperties" not in node
+                and "patternProperties" not in node and "unevaluatedProperties" not in node):
+            node["additionalProperties"] = False
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        if isinstance(node.get("items"), (dict, list)):
+            stack.extend(node["items"] if isinstance(node["items"], list) else [node["items"]])
+    return schema

@@ -180,6 +180,7 @@ def _print_welcome(settings: Settings, specs: list[ModelSpec], key: str | None) 
     print("models start on their first request (scale to zero when idle); Ctrl-C stops the platform")
     if key is not None:
         print(f"demo tenant {DEMO_TENANT!r}, API key: {key}")
+        print(f"the README's examples read the key from $TOLLGATE_KEY: export TOLLGATE_KEY={key}")
     if key is None:
         print("make a key with `platform tenants create NAME` and `platform keys create --tenant NAME`, then "
               "export TOLLGATE_KEY=<the key>")

@@ -4,7 +4,6 @@ Every problem is a 400 naming the field."""
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,7 +15,7 @@ from engine.structured_outputs import StructuredOutputs
 from engine.tool_prompt import FALLBACK_INSTRUCTIONS
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest
-from gateway.schema_check import check_json_schema
+from gateway.schema_check import check_json_schema, closed_schema
 from gateway.specs import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from gateway.tool_calls.parsers import (ForcedCallsParser, HermesParser, Llama3JsonParser, NamedCallParser,
                                         ToolCallParser)
@@ -127,7 +126,7 @@ def _check_enforceable(body: ChatCompletionRequest, names: list[str]) -> None:
     for i, tool in enumerate(body.tools):
         if tool.function.name in names:
             field = f"tools.{i}.function.parameters"
-            schema = _closed(tool.function.parameters or NO_PARAMETERS)
+            schema = closed_schema(tool.function.parameters or NO_PARAMETERS)
             try:
                 check_constraint(StructuredOutputs(json=schema, field_name=field))
             except ValueError as e:
@@ -140,43 +139,15 @@ def _constraint(mode: Mode, named: str | None, schemas: dict[str, dict[str, Any]
     of one or more with parallel calls) of any tool."""
     if mode == "named":
         assert named is not None
-        return StructuredOutputs(json=_closed(schemas[named]), field_name="tool_choice")
+        return StructuredOutputs(json=closed_schema(schemas[named]), field_name="tool_choice")
     if mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: _closed(schema)},
+    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: closed_schema(schema)},
               "required": ["name", arguments_key], "additionalProperties": False}
              for name, schema in schemas.items()]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
     return StructuredOutputs(json=schema, field_name="tool_choice")
-
-
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-
-
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with `additionalProperties: false` on each object schema that lists properties and says nothing
-    of others: the model writes the declared arguments only (still valid against the schema as sent), instead of
-    inventing more until max_tokens."""
-    schema = copy.deepcopy(schema)
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if (isinstance(node.get("properties"), dict) and "additionalProperties" not in node
-                and "patternProperties" not in node and "unevaluatedProperties" not in node):
-            node["additionalProperties"] = False
-        for key in _SUBSCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend(node[key])
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())
-        if isinstance(node.get("items"), (dict, list)):
-            stack.extend(node["items"] if isinstance(node["items"], list) else [node["items"]])
-    return schema
 
 
 def tools_prompt_bytes(plan: ToolPlan | None) -> int:

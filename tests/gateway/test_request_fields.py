@@ -246,6 +246,9 @@ def test_a_field_no_openai_api_has_is_a_400_naming_it(client, endpoint):
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "assistant", "content": "Hi", "audio": {"id": "a1"}}, *ASK]}, "messages.0.audio"),
     ({"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages.0.mood"),
+    ({"messages": [{"role": "assistant", "content": "Hi", "annotations": [{"type": "url_citation", "url_citation": {
+        "url": "https://example.com", "title": "x", "start_index": 0, "end_index": 2}}]}, *ASK]},
+     "messages.0.annotations"),
     ({"messages": [{"role": "assistant", "function_call": MESSAGE_KEYS["function_call"].value}, *ASK]},
      "messages.0.function_call"),
     *[({"messages": [{"role": role, "name": "get_time", "content": "12:00"}]}, "messages.0.role")
@@ -268,6 +271,15 @@ def test_a_nested_key_or_value_this_server_cannot_honour_is_a_400_naming_it(clie
     chat = {**CHAT_BASE, **body}
     assert_refused(lambda: client.chat.completions.create(**{k: chat.pop(k) for k in ("model", "messages")},
                                                           extra_body=chat), param)
+
+
+@pytest.mark.parametrize("message", [{"role": "user", "content": "Hi", "mood": "happy"},
+                                     {"role": "user", "content": [{"type": "text", "text": "Hi", "mood": "happy"}]}],
+                         ids=["message", "content-part"])
+def test_an_unknown_nested_key_is_an_unknown_parameter(client, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[message])
+    assert caught.value.body["code"] == "unknown_parameter", caught.value.body
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -408,6 +420,11 @@ def test_a_response_message_replays_in_the_history(client, plain):
     """The SDK's own response message (with its refusal: null) goes back as history unchanged."""
     follow = [*ASK, plain.choices[0].message, {"role": "user", "content": "And of Italy?"}]
     assert greedy(client, messages=follow, max_tokens=3).choices[0].message.content
+    dumped = plain.choices[0].message.model_dump()  # every field, the unset ones as null (annotations, audio, ...)
+    assert {"annotations", "audio", "function_call"} <= set(dumped)
+    assert greedy(client, messages=[*ASK, dumped, *ASK], max_tokens=3).usage.prompt_tokens == greedy(
+        client, messages=[*ASK, {"role": "assistant", "content": dumped["content"]}, *ASK], max_tokens=3
+    ).usage.prompt_tokens
     silent = [*ASK, {"role": "assistant", "content": None}, *ASK]
     refused = [*ASK, {"role": "assistant", "content": None, "refusal": "I cannot say that."}, *ASK]
     # the refusal is the assistant's turn

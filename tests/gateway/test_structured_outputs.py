@@ -49,6 +49,31 @@ def test_json_schema_response_format_is_followed_and_billed(client, server, shar
     assert event.status == "ok" and event.completion_tokens == r.usage.completion_tokens > 5
 
 
+OPEN_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "facts": {"type": "object", "properties": {"river": {"type": "string",
+                                                                                                    "maxLength": 20}}},
+                                                 "nickname": {"type": "string", "maxLength": 20}},
+               "required": ["city", "facts"]}
+
+
+def declared_keys_only(document: dict, schema: dict) -> bool:
+    return set(document) <= set(schema["properties"]) and all(
+        declared_keys_only(document[key], sub) for key, sub in schema["properties"].items()
+        if isinstance(document.get(key), dict) and "properties" in sub)
+
+
+def test_strict_json_schema_writes_no_undeclared_keys(client):
+    """OpenAI's strict mode: objects that say nothing of other keys get none (the schema as sent would allow them)."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=1.0, n=4, seed=3,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "city", "schema": OPEN_SCHEMA, "strict": True}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        document = json.loads(choice.message.content)
+        jsonschema.validate(document, OPEN_SCHEMA)
+        assert declared_keys_only(document, OPEN_SCHEMA), document
+
+
 def test_parse_fills_a_pydantic_model(client):
     r = client.chat.completions.parse(model=MODEL, messages=ASK, max_tokens=80, temperature=0, response_format=City)
     parsed = r.choices[0].message.parsed
