@@ -19,12 +19,12 @@ def drain_gateway(settings: Settings) -> int:
     """How many requests were still in flight when the bound ran out (0: all finished)."""
     from ray import serve
 
-    if GATEWAY_APP not in serve.status().applications:
-        return 0
-    handle = serve.get_app_handle(GATEWAY_APP)
     try:
+        if GATEWAY_APP not in serve.status().applications:
+            return 0
+        handle = serve.get_app_handle(GATEWAY_APP)
         return int(handle.drain.remote(settings.drain_s).result(timeout_s=settings.drain_s + 30))
-    except Exception as e:  # a gateway that cannot answer has nothing left to drain
+    except Exception as e:  # a gateway (or a Serve controller) that cannot answer has nothing left to drain
         log.warning("gateway drain failed: %s", e)
         return 0
 
