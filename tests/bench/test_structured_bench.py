@@ -30,6 +30,7 @@ def test_constrained_and_free_batches_are_timed_and_written(tmp_path, one_thread
     assert result["ratio"] == result["tpot_ms_constrained"] / result["tpot_ms_unconstrained"]
     [free], [constrained] = result["runs"]["unconstrained"], result["runs"]["constrained"]
     assert result["ratio_median_of_pairs"] == constrained["tpot_ms"] / free["tpot_ms"]
+    assert result["ratio_quartiles_of_pairs"] == [result["ratio_median_of_pairs"]] * 3  # one pair
     assert result["mask_ms_per_step"] > 0 and result["runs"]["unconstrained"][0]["mask_ms_per_step"] == 0
     assert all(run["steps"] >= 4 for runs in result["runs"].values() for run in runs)
 
