@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gateway.errors import UNRECOGNIZED
 from gateway.tool_calls.request import ToolCall, ToolFields, check_tool_history, check_tool_message, with_tool_fields
@@ -28,6 +28,13 @@ class TextPart(_Body):
     text: str
 
 
+_REPLAYED_ONLY_EMPTY = {
+    "annotations": "url citations come from web search, which this server does not run; send [] or null",
+    "audio": "audio answers are not supported: the models here answer in text; send null",
+    "function_call": "the deprecated functions API is not supported; send the call as tool_calls",
+}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -40,25 +47,11 @@ class ChatMessage(_Body):
     audio: Any = None
     function_call: Any = None
 
-    @field_validator("annotations")
+    @field_validator("annotations", "audio", "function_call")
     @classmethod
-    def _no_citations(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("url citations come from web search, which this server does not run; send [] or null")
-        return v
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("audio answers are not supported: the models here answer in text; send null")
-        return v
-
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("the deprecated functions API is not supported; send the call as tool_calls")
+    def _says_nothing(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:  # null (and annotations' []) is what a replayed text answer carries
+            raise ValueError(_REPLAYED_ONLY_EMPTY[info.field_name])
         return v
 
     @field_validator("content", mode="before")
