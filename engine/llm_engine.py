@@ -28,7 +28,7 @@ from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.runner import LaunchedStep
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sleep import EngineAsleepError, EngineSleep
-from engine.sequence import SampledToken, Sequence
+from engine.sequence import SampledToken, Sequence, choice_seed
 from engine.tokenizer import encode_prompt
 from engine.spec_decode.speculator import make_speculator
 
@@ -142,7 +142,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else choice_seed(params.seed, i)
             seq = Sequence(request_id, i, ids, params, priority, arrival, seed, self.device, cache_salt, lora)
             seq.max_num_tokens = longest
             if grammar is not None:

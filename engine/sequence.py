@@ -19,6 +19,20 @@ if TYPE_CHECKING:
 
 _counter = itertools.count()
 
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (n > 1): choice 0 keeps the request's seed, the others
+    a 63-bit mix of (seed, index) (SplitMix64's finaliser), so requests with neighbouring seeds share no samples (with
+    seed + index, seed s's choice 1 was seed s+1's choice 0)."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -16,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.sequence import choice_seed
 
 PROMPT = [5, 17, 42, 99, 120, 7, 33, 250, 61]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -52,6 +54,19 @@ def test_n_completions_are_distinct_and_indexed(tiny: LLM) -> None:
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     again = tiny.generate(PROMPT, params)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_neighbouring_seeds_share_no_choice(tiny: LLM) -> None:
+    """Choice 0 keeps the request's seed (n=1 answers do not change with n); the other choices' seeds are drawn
+    from (seed, index), so seed 11's choices are not seed 12's shifted by one."""
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    first = [tuple(c.token_ids) for c in tiny.generate(PROMPT, params)[0].outputs]
+    second = [tuple(c.token_ids) for c in tiny.generate(PROMPT, dataclasses.replace(params, seed=12))[0].outputs]
+    assert not set(first) & set(second)
+    alone = tiny.generate(PROMPT, dataclasses.replace(params, n=1))[0].outputs[0].token_ids
+    assert tuple(alone) == first[0]
+    seeds = {choice_seed(seed, i) for seed in range(-50, 50) for i in range(8)}
+    assert len(seeds) == 800 and all(-(2**63) <= s < 2**64 for s in seeds)  # torch.Generator.manual_seed's range
 
 
 def test_seeded_request_ignores_the_rest_of_the_batch(tiny: LLM) -> None:
