@@ -45,7 +45,7 @@ import torch
 from bench.common import emit, log, random_workload, synchronize
 from bench.gpu_timeline import GpuTimeline
 from engine import LLM, SamplingParams
-from engine.random_models import RANDOM_MODELS
+from engine.random_models import RANDOM_MODELS, random_model_config
 
 # documents far longer than a benchmark's output: records with integers, strings, enums, numbers and booleans
 SCHEMA: dict[str, Any] = {
@@ -210,7 +210,7 @@ def with_layers(model: str, layers: int) -> str:
     """A random: model of `layers` layers, registered as random:<name>-<layers>l."""
     name = model.removeprefix("random:")
     short = f"{name}-{layers}l"
-    RANDOM_MODELS[short] = dataclasses.replace(RANDOM_MODELS[name], num_hidden_layers=layers)
+    RANDOM_MODELS[short] = dataclasses.replace(random_model_config(name), num_hidden_layers=layers)
     return f"random:{short}"
 
 
