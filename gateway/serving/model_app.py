@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from typing import Any
@@ -15,6 +16,11 @@ from gateway.serving.embedding_replica import EmbeddingServer
 from gateway.serving.replica import ModelServer
 from gateway.settings import Settings
 from gateway.specs import ModelSpec
+
+
+# Serve's options() pickles the autoscaling policy with cloudpickle's process-wide register / unregister by value,
+# which fails when two threads deploy at once ("... is not registered for pickle by value")
+_OPTIONS_LOCK = threading.Lock()
 
 
 def model_application(spec: ModelSpec, settings: Settings, **deployment_options: Any) -> Application:
@@ -37,12 +43,13 @@ def model_application(spec: ModelSpec, settings: Settings, **deployment_options:
                                         sort_keys=True).encode())
     deployment_options.setdefault("graceful_shutdown_timeout_s", settings.drain_s)
     server = EmbeddingServer if spec.kind == "embedding" else ModelServer
-    deployment = server.options(
-        autoscaling_config=spec.autoscaling.serve_config(),
-        max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
-        ray_actor_options=actor_options,
-        **deployment_options,
-    )
+    with _OPTIONS_LOCK:
+        deployment = server.options(
+            autoscaling_config=spec.autoscaling.serve_config(),
+            max_ongoing_requests=spec.autoscaling.max_ongoing_requests,
+            ray_actor_options=actor_options,
+            **deployment_options,
+        )
     # Serve gives every imperative deploy a random code version (a full restart) unless one is set;
     # `options(version=)` is gone, so set the attribute serve.run reads
     deployment._version = version.hexdigest()[:16]
