@@ -14,7 +14,8 @@ def test_applications_built_from_eight_threads_at_once_all_build() -> None:
     settings = Settings()
     specs = [test_spec(f"threaded-{i}") for i in range(8)]
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads interleave inside options(): without the lock, dozens of the 320 builds failed
+    # threads interleave inside options(): without the lock, dozens of the 320 builds failed
+    sys.setswitchinterval(1e-6)
     try:
         with ThreadPoolExecutor(len(specs)) as pool:
             built = list(pool.map(lambda spec: [model_application(spec, settings) for _ in range(40)], specs))
