@@ -24,6 +24,7 @@ engine thread waited for the last one, steady_steps the share of steps handed ov
 (engine/token_mask.py _Steady), hand_overs_from_device the share whose tokens the device copied to the processes
 itself (off with --no-device-hand-over), hand_overs_early the share handed over before the engine read the tokens
 (found on the host at the top of the next step or after it was scheduled).
+--host-stages times each stage of the engine thread's step (bench/host_stages.py).
 --profile runs each mode once more under cProfile (not counted) and writes where the engine thread's time went.
 --layers N cuts a random: model to N layers: a shorter GPU step with the host's work unchanged, as a faster GPU
 would give (random:llama-1b's step on an H200 is about 11 of its 16 layers' on an H100, by their memory bandwidth)."""
@@ -44,6 +45,7 @@ import torch
 
 from bench.common import emit, log, random_workload, synchronize
 from bench.gpu_timeline import GpuTimeline
+from bench.host_stages import HostStages
 from engine import LLM, SamplingParams
 from engine.random_models import RANDOM_MODELS, random_model_config
 
@@ -95,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-timeline", action="store_true",
                    help="CUDA events at five points of each timed step: each phase's time by the GPU's clock and the "
                         "host's (bench/gpu_timeline.py)")
+    p.add_argument("--host-stages", action="store_true",
+                   help="the engine thread's mean ms a step in each stage of a step (bench/host_stages.py); its "
+                        "wrappers lengthen a constrained step more than a free one (about +0.03 on the ratio)")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each mode's last run; the functions by own time go to DIR/<mode>.txt")
     p.add_argument("--layers", type=int, metavar="N",
@@ -121,7 +126,8 @@ def export_tokenizer(source: str, target: str) -> dict[str, Any]:
 
 
 def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str,
-             profile: str | None = None, timeline: GpuTimeline | None = None) -> dict[str, float]:
+             profile: str | None = None, timeline: GpuTimeline | None = None,
+             stages: HostStages | None = None) -> dict[str, float]:
     """Adds the batch, steps until every request has its first token, then times the decode steps left (under
     cProfile when `profile` names a file for the report)."""
     engine, masker = llm.engine, llm.engine.runner.token_masker
@@ -148,6 +154,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
         profiler.enable()
     if timeline is not None:
         timeline.active = True
+    if stages is not None:
+        stages.active = True
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
@@ -155,6 +163,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
     elapsed = time.perf_counter() - start
     if timeline is not None:
         timeline.active = False
+    if stages is not None:
+        stages.active = False
     if profiler is not None:
         profiler.disable()
         with open(profile, "w", encoding="utf-8") as f:
@@ -176,7 +186,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], t
             "mask_native_ms_per_step": (masker.native_seconds - native_seconds) / masked * 1e3 if masked else 0.0,
             "mask_send_ms_per_step": (masker.send_seconds - send_seconds) / masked * 1e3 if masked else 0.0,
             "mask_collect_ms_per_step": (masker.collect_seconds - collect_seconds) / masked * 1e3 if masked else 0.0,
-            **(timeline.summary() if timeline is not None else {})}
+            **(timeline.summary() if timeline is not None else {}),
+            **(stages.summary() if stages is not None else {})}
 
 
 def process_times(pool: Any, before: Any) -> dict[str, float]:
@@ -198,6 +209,13 @@ def timeline_medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[
     """Each mode's GPU timeline (bench/gpu_timeline.py), the median over its runs of each figure."""
     return {name: {key: statistics.median(run[key] for run in results) for key in results[0]
                    if key.startswith(("gpu_", "host_", "lag_"))} for name, results in runs.items()}
+
+
+def stage_medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each mode's engine-thread stages (bench/host_stages.py), the median over its runs of each stage's ms a step."""
+    return {name: {key.removeprefix("host_stage_"): statistics.median(run.get(key, 0.0) for run in results)
+                   for key in sorted({k for run in results for k in run if k.startswith("host_stage_")})}
+            for name, results in runs.items()}
 
 
 def mask_spin_s(llm: LLM) -> float | None:
@@ -258,11 +276,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"warm-{name}")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
     timeline = GpuTimeline(llm.engine.runner) if args.gpu_timeline else None
-    for r in range(args.repeats):
-        for name, params in modes.items():
-            runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
-                                       f"{name}-{r}", timeline=timeline))
-            log(f"{name} run {r}: {runs[name][-1]}")
+    stages = HostStages(llm.engine) if args.host_stages else None
+    try:
+        for r in range(args.repeats):
+            for name, params in modes.items():
+                runs[name].append(run_once(llm, shifted(work.prompts, len(modes) * r + len(runs[name])), params,
+                                           f"{name}-{r}", timeline=timeline, stages=stages))
+                log(f"{name} run {r}: {runs[name][-1]}")
+    finally:
+        if stages is not None:
+            stages.close()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         for i, (name, params) in enumerate(modes.items()):
@@ -297,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "masks_waited_on_device": not args.host_waits_for_masks,
         "rows_filled_ahead": best["constrained"]["rows_ahead"], "lexers": llm.engine.grammars.lexers,
         "gpu_timeline": timeline_medians(runs) if timeline else None,
+        "host_stages": stage_medians(runs) if stages else None,
         "runs": runs,
     }
     emit(result, args.out)

