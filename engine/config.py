@@ -207,14 +207,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.structured_outputs is not None:
-            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
-            _require(self.min_tokens == 0, "min_tokens",
-                     "cannot be combined with structured_outputs: the grammar decides where the output may end")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
+            self._check_ends_left_to_the_grammar()
         _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _require(_is_number(self.temperature) and self.temperature >= 0.0, "temperature",
                  f"must be >= 0, got {self.temperature!r}")
@@ -243,6 +242,18 @@ class SamplingParams:
             _is_int(t) and t >= 0 and _is_number(b) and -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND
             for t, b in self.logit_bias.items())), "logit_bias",
             f"must map token ids (integers >= 0) to biases in [-{LOGIT_BIAS_BOUND}, {LOGIT_BIAS_BOUND}]")
+
+    def _check_ends_left_to_the_grammar(self) -> None:
+        """A constrained output ends where its grammar lets it, and only there: every field that would end it
+        earlier (leaving a document that does not parse) or later is refused, naming the constraint's own field."""
+        constraint = self.structured_outputs.field.split(".")[0]
+        early = f"cannot be combined with {constraint}: it would end the output before the constraint is complete"
+        _require(not self.stop, "stop", early)
+        _require(not self.stop_token_ids, "stop_token_ids", early)
+        _require(self.min_tokens == 0, "min_tokens",
+                 f"cannot be combined with {constraint}: the constraint decides where the output may end")
+        _require(not self.ignore_eos, "ignore_eos",
+                 f"cannot be combined with {constraint}: the output ends where the constraint is complete")
 
     def check_vocab(self, vocab_size: int) -> None:
         """A ValueError naming the field when a token id the params name is outside the model's vocabulary."""

@@ -14,7 +14,7 @@ from gateway.serving.cluster_fit import node_shortfall
 from gateway.serving.errors import NoPlatform
 from gateway.serving.model_app import model_application
 from gateway.serving.names import model_app_name
-from gateway.serving.ray_env import SERVE_LOGGING, ray_init_options
+from gateway.serving.ray_env import SERVE_LOGGING, keep_token_private, ray_init_options
 from gateway.settings import Settings
 from gateway.specs import ModelSpec, check_source, parse_spec
 
@@ -85,6 +85,7 @@ def start_platform(settings: Settings) -> bool:
             if settings.ray_address:
                 raise NoPlatform(f"no Ray cluster answers at {settings.ray_address}") from None
             ray.init(address="local", include_dashboard=False, **ray_init_options(quiet=False))
+            keep_token_private()
             started = True
     settings.home.mkdir(parents=True, exist_ok=True)
     (settings.home / PLATFORM_ADDRESS_FILE).write_text(ray.get_runtime_context().gcs_address + "\n")

@@ -46,6 +46,17 @@ def use_local_token_auth(address: str | None = None) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+def keep_token_private() -> None:
+    """Ray writes ~/.ray/auth_token readable by every user of the machine (0644), and whoever holds it can run code
+    on the cluster as the platform: once a local cluster has started, it is made the owner's alone (0600)."""
+    token = Path.home() / ".ray" / "auth_token"
+    try:
+        if token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
+            token.chmod(0o600)
+    except FileNotFoundError:
+        pass
+
+
 def _on_this_machine(address: str) -> bool:
     """Whether a Ray address (`host:port`, `ray://host:port`, or `auto` / `local`) names a cluster on this machine."""
     import socket

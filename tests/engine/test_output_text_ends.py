@@ -58,18 +58,24 @@ def test_stray_bytes_before_the_end_of_sequence_are_in_the_text(llm):
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_logprobs_are_those_of_the_tokens_whose_text_the_output_keeps(llm, include_stop):
     """A stop string cuts the text: the tokens that begin past the cut lose their logprobs; a token that holds the
-    cut keeps its. Letters only (a regex), so each prefix of tokens decodes to a prefix of the text."""
-    letters = {"regex": "[a-z]{40}"}
-    [free] = llm.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=60, structured_outputs=letters,
-                                                    logprobs=0)])
+    cut keeps its. Letters only (the single-letter tokens biased above every other, sampled with a seed: the same
+    letters both times), so each prefix of tokens decodes to a prefix of the text."""
+    letters = {i: 100.0 for i in range(llm.tokenizer.vocab_size)
+               if len(raw := llm.tokenizer.token_bytes([i])) == 1 and raw.isalpha() and raw.islower()}
+    assert len(letters) == 26
+    [free] = llm.generate([PROMPT], [SamplingParams(temperature=1.0, seed=5, max_tokens=60, ignore_eos=True,
+                                                    logit_bias=letters, logprobs=0)])
     ids, text = free.outputs[0].token_ids, free.outputs[0].text
+    assert len(text) == len(ids) == 60 and text.isalpha()
     stop = text[15:18]
     at = text.index(stop)
+    assert at >= 10  # seeded sampling: the letters vary, and the first place of the stop string is not the start
     cut = at + len(stop) if include_stop else at
     starts = [len(llm.tokenizer.decode(ids[:i])) for i in range(len(ids))]
     kept = sum(1 for start in starts if start < cut)
-    [out] = llm.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=60, structured_outputs=letters,
-                                                   logprobs=0, stop=[stop], include_stop_str_in_output=include_stop)])
+    [out] = llm.generate([PROMPT], [SamplingParams(temperature=1.0, seed=5, max_tokens=60, ignore_eos=True,
+                                                   logit_bias=letters, logprobs=0, stop=[stop],
+                                                   include_stop_str_in_output=include_stop)])
     assert out.outputs[0].text == text[:cut] and out.outputs[0].stop_reason == stop
     assert [lp.token_id for lp in out.outputs[0].logprobs] == ids[:kept]
 

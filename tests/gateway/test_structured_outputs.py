@@ -170,6 +170,12 @@ def test_top_logprobs_of_a_constrained_request_name_the_tokens_it_rules_out_at_m
     ({"guided_json": "{oops"}, "guided_json", "not valid JSON"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "only one of"),
+    # a stop sequence would cut the document short (it came back invalid, finish_reason "stop"); ignore_eos would
+    # write past its end
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop", "cannot be combined with response_format"),
+    ({"structured_outputs": {"choice": ["Rome city", "Milan city"]}, "stop": " "}, "stop",
+     "cannot be combined with structured_outputs"),
+    ({"guided_regex": "[a-z]+", "ignore_eos": True}, "ignore_eos", "cannot be combined with guided_regex"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field_before_admission(server, tenant_key, shared_db, body, param,
                                                                      says):

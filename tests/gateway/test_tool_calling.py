@@ -235,6 +235,11 @@ def two_calls(first: str, second: str) -> dict[str, Any]:
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", None),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "response_format"),
+    # a stop sequence would cut the call's arguments short (they came back as '{"city": "' with "tool_calls")
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "stop": ["Paris"]}, "stop",
+     "cannot be combined with tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stop": ","}, "stop",
+     "cannot be combined with tool_choice"),
     ({"functions": [WEATHER["function"]]}, "functions", "tools"),
     ({"function_call": "auto"}, "function_call", "tool_choice"),
     ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0.tool_call_id", "required"),
@@ -288,6 +293,13 @@ def test_a_history_call_of_a_function_no_longer_offered_is_accepted(client):
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[CLOCK], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_stop_sequence_is_honoured_where_the_model_chooses_between_text_and_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", stop=["the"],
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert "the" not in (r.choices[0].message.content or "")
 
 
 def test_a_last_assistant_message_with_calls_needs_no_answers_yet():
