@@ -51,10 +51,11 @@ def keep_token_private() -> None:
     on the cluster as the platform: once a local cluster has started, it is made the owner's alone (0600)."""
     token = Path.home() / ".ray" / "auth_token"
     try:
-        if token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
-            token.chmod(0o600)
+        info = token.stat()
     except FileNotFoundError:
-        pass
+        return
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        token.chmod(0o600)
 
 
 def _on_this_machine(address: str) -> bool:
