@@ -145,7 +145,9 @@ def test_one_tenants_prompt_prefix_is_never_another_tenants_cache_hit(tenants):
     alphas = long_prefix("Orange")
     assert cached(tenants.alpha, alphas, "Which rule is first?") < 32  # new: at most the chat template's block
     assert cached(tenants.alpha, alphas, "Which rule is last?") >= 256  # within a tenant the prefix is reused
-    # for beta, alpha's prefix is exactly as cached as a prefix no one ever sent
+    # for beta, alpha's prefix is exactly as cached as a prefix no one ever sent (once beta's own chat-template block
+    # is cached, whichever test sent beta's first request)
+    cached(tenants.beta, long_prefix("Green"), "Which rule is first?")
     fresh = cached(tenants.beta, long_prefix("Purple"), "Which rule is last?")
     assert cached(tenants.beta, alphas, "Which rule is last?") == fresh < 32
     assert cached(tenants.beta, alphas, "Which rule is second?") >= 256  # beta's own copy, cached for beta
