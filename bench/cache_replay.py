@@ -16,7 +16,9 @@ lookup's duplicate cluster. Both caches store every lookup they do not serve, an
 (POST /v1/cache/feedback's path); the learned cache also gets the oracle's label for each `learning` lookup (standing
 in for comparing the model's fresh answer with the cached one), exploration included. Reported per window of 1,000
 lookups: hit rate over all lookups and over paraphrases alone (word-for-word repeats are served by both caches and
-hide the difference), and false hits per lookup; an SVG draws them. CPU, a few minutes (embeddings from
+hide the difference), and false hits per lookup; an SVG draws them. First, the ceiling: on the same stream with every
+label known in advance, the best any one tenant-wide threshold could do while every window stays within δ (what a
+learned threshold would reach with nothing left to learn). CPU, a few minutes (embeddings from
 bench/qqp_embeddings.py's file cache).
 """
 from __future__ import annotations
@@ -167,17 +169,101 @@ def replay(questions: list[str], kinds: list[str], vecs: dict[str, np.ndarray], 
             "lookup_ms_p99": round(float(np.percentile(latencies, 99)) * 1e3, 3), "windows": windows}
 
 
+def best_candidates(questions: list[str], vecs: dict[str, np.ndarray], cluster_of: dict[str, int], verifier,
+                    top_k: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each lookup that is not a word-for-word repeat: the verifier's best score over the top_k nearest questions
+    asked before (as the cache's lookup takes them), whether that candidate is the same question, and which question it
+    is; every question is kept (nothing served), so each lookup sees every earlier one. Repeats get score -1."""
+    n = len(questions)
+    scores, right, entry = np.full(n, -1.0), np.zeros(n, bool), np.full(n, -1)
+    asked: dict[str, int] = {}
+    matrix = np.zeros((len(set(questions)), len(next(iter(vecs.values())))), np.float32)
+    order: list[str] = []
+    for i, q in enumerate(questions):
+        if q in asked:
+            continue
+        if order:
+            cos = matrix[: len(order)] @ vecs[q]
+            near = np.argsort(-cos)[:top_k]
+            near = near[cos[near] >= verifier.min_cosine]
+            if len(near):
+                probs = verifier.score_pairs([q] * len(near), [order[j] for j in near],
+                                             np.repeat(vecs[q][None, :], len(near), 0), matrix[near])
+                j = int(near[int(np.argmax(probs))])
+                scores[i], right[i], entry[i] = float(np.max(probs)), cluster_of[order[j]] == cluster_of[q], j
+        asked[q] = len(order)
+        matrix[len(order)] = vecs[q]
+        order.append(q)
+    return scores, right, entry
+
+
+def worst_window(wrong: np.ndarray) -> float:
+    """The largest share of false hits in any window of WINDOW lookups (the stream cut into consecutive windows)."""
+    return max(float(wrong[a:a + WINDOW].mean()) for a in range(0, len(wrong), WINDOW))
+
+
+def oracle_threshold(scores: np.ndarray, right: np.ndarray, delta: float, calibrated: float, floor: float) -> float:
+    """The lowest threshold in [floor, calibrated] (a lookup's score, or `calibrated` itself) at which every window's
+    false hits stay <= delta, knowing every lookup's label: lowering a threshold only adds hits, so the search stops
+    at the first one that breaks a window."""
+    best = calibrated
+    for t in np.unique(scores[(scores >= floor) & (scores < calibrated)])[::-1]:
+        if worst_window((scores >= t) & ~right) > delta:
+            break
+        best = float(t)
+    return best
+
+
+def ceiling(questions: list[str], kinds: list[str], vecs: dict[str, np.ndarray], cluster_of: dict[str, int], verifier,
+            bounds) -> list[dict]:
+    """What any one tenant-wide threshold could do on this stream if it knew every label in advance: for each δ, the
+    lowest threshold whose false hits stay <= δ in every window, its hit rate on paraphrases against the calibrated
+    threshold's, and how many labels an entry could learn its own threshold from. An upper bound for a threshold
+    learned while the stream runs (cache/pooled.py), which must keep a margin for what it has not seen."""
+    scores, right, entry = best_candidates(questions, vecs, cluster_of, verifier)
+    paraphrase = np.array(kinds) == "paraphrase"
+
+    def at(t: float) -> dict:
+        served = scores >= t
+        return {"threshold": round(float(t), 5), "paraphrase_hit_rate": float(served[paraphrase].mean()),
+                "paraphrase_hit_rate_end": float(served[-END:][paraphrase[-END:]].mean()),
+                "false_hit_rate": float((served & ~right).mean()),
+                "max_window_false_hit_rate": worst_window(served & ~right),
+                "windows": [{"start": a, "paraphrase_hit_rate": float(served[a:a + WINDOW][paraphrase[a:a + WINDOW]].mean())
+                             if paraphrase[a:a + WINDOW].any() else None,
+                             "false_hit_rate": float((served & ~right)[a:a + WINDOW].mean())}
+                            for a in range(0, len(scores), WINDOW)]}
+
+    out = []
+    for bound in bounds:
+        static = at(bound.threshold)
+        oracle = at(oracle_threshold(scores, right, bound.max_false_hit_rate, bound.threshold, bound.learning_floor))
+        near = entry[(scores >= bound.learning_floor) & (scores < bound.threshold)]  # lookups that would be labelled
+        per_entry = np.bincount(near) if len(near) else np.zeros(1, int)
+        out.append({"delta": bound.max_false_hit_rate, "static": static, "oracle": oracle,
+                    "ratio": round(oracle["paraphrase_hit_rate"] / static["paraphrase_hit_rate"], 3),
+                    "ratio_end": round(oracle["paraphrase_hit_rate_end"] / static["paraphrase_hit_rate_end"], 3),
+                    "entries_with_labels": {f">={m}": int((per_entry >= m).sum()) for m in (1, 2, 3, 5)}})
+    return out
+
+
 def name(run: dict) -> str:
+    if run.get("ceiling"):
+        return "ceiling (every label known)"
     if not run["learned"]:
         return "static"
     return "learned" if run["error_window"] else "learned, bound on average"
 
 
-def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
-    """Hit rate on paraphrases (solid) and false hits per lookup (dashed, x10) per window for each run, as plain SVG."""
+def chart(runs: list[dict], ceilings: list[dict] = (), width: int = 760, height: int = 320) -> str:
+    """Hit rate on paraphrases (solid) and false hits per lookup (dashed, x10) per window for each run, and the
+    ceiling's hit rate (dotted), as plain SVG."""
     colors = {(0.01, "static"): "#888", (0.01, "learned"): "#1f77b4", (0.01, "learned, bound on average"): "#17becf",
-              (0.02, "static"): "#bbb", (0.02, "learned"): "#d62728", (0.02, "learned, bound on average"): "#ff7f0e"}
+              (0.02, "static"): "#bbb", (0.02, "learned"): "#d62728", (0.02, "learned, bound on average"): "#ff7f0e",
+              (0.01, "ceiling (every label known)"): "#2ca02c", (0.02, "ceiling (every label known)"): "#9467bd"}
     runs = [r for r in runs if (r["delta"], name(r)) in colors]
+    runs += [{"delta": c["delta"], "ceiling": True, "windows": c["oracle"]["windows"]} for c in ceilings
+             if (c["delta"], "ceiling (every label known)") in colors]
     pad, top = 50, 30
     n = len(runs[0]["windows"])
     x = lambda i: pad + i * (width - 2 * pad) / max(n - 1, 1)  # noqa: E731
@@ -185,7 +271,7 @@ def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
              f'<text x="{pad}" y="16" font-size="13">Semantic cache replay (QQP holdout): hit rate on paraphrases (solid) '
-             f'and false hits per lookup x10 (dashed), per {WINDOW:,} lookups</text>']
+             f'and false hits per lookup x10 (dashed), per {WINDOW:,} lookups; ceiling dotted</text>']
     for v in (0, 0.25, 0.5, 0.75, 1.0):
         parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>'
                      f'<text x="{pad - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
@@ -193,9 +279,13 @@ def chart(runs: list[dict], width: int = 760, height: int = 300) -> str:
         color = colors[(r["delta"], name(r))]
         hit = " ".join(f"{x(i):.1f},{y(w['paraphrase_hit_rate'] or 0):.1f}" for i, w in enumerate(r["windows"]))
         false = " ".join(f"{x(i):.1f},{y(min(1.0, 10 * w['false_hit_rate'])):.1f}" for i, w in enumerate(r["windows"]))
-        parts.append(f'<polyline points="{hit}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts.append(f'<polyline points="{false}" fill="none" stroke="{color}" stroke-width="1.5" '
-                     f'stroke-dasharray="4 3"/>')
+        if r.get("ceiling"):
+            parts.append(f'<polyline points="{hit}" fill="none" stroke="{color}" stroke-width="1.5" '
+                         f'stroke-dasharray="1 3"/>')
+        else:
+            parts.append(f'<polyline points="{hit}" fill="none" stroke="{color}" stroke-width="2"/>')
+            parts.append(f'<polyline points="{false}" fill="none" stroke="{color}" stroke-width="1.5" '
+                         f'stroke-dasharray="4 3"/>')
         label = f"δ={r['delta']:g} {name(r)}"
         parts.append(f'<text x="{width - pad - 190}" y="{top + 14 + 14 * k}" fill="{color}">{label}</text>')
     parts.append(f'<text x="{width / 2:.0f}" y="{height - 8}" text-anchor="middle">lookups (x{WINDOW:,})</text>')
@@ -220,8 +310,18 @@ def main(argv: list[str] | None = None) -> None:
     mix = {kind: round(kinds.count(kind) / len(kinds), 4) for kind in KINDS}
     print(f"{len(questions)} lookups, {len(set(questions))} distinct questions; mix {mix}", flush=True)
     embedder, verifier = shared_embedder(), load_default_verifier()
+    from cache.bounds import shipped_bounds
+
+    deltas = [float(d) for d in args.deltas.split(",")]
+    limits = ceiling(questions, kinds, vecs, cluster_of, verifier, [shipped_bounds().at(d) for d in deltas])
+    for c in limits:
+        print(f"δ={c['delta']:g} ceiling (every label known, one threshold, every window <= δ): threshold "
+              f"{c['oracle']['threshold']} serves {c['oracle']['paraphrase_hit_rate']:.3f} of paraphrases against "
+              f"{c['static']['paraphrase_hit_rate']:.3f} at the calibrated {c['static']['threshold']}: {c['ratio']:.2f}x "
+              f"({c['ratio_end']:.2f}x over the last {END:,}); worst window {c['oracle']['max_window_false_hit_rate']:.4f}; "
+              f"entries with >=1/2/3/5 labels below the threshold: {list(c['entries_with_labels'].values())}", flush=True)
     runs = []
-    for delta in (float(d) for d in args.deltas.split(",")):
+    for delta in deltas:
         for learn, window in ((False, None), (True, ERROR_WINDOW), (True, None)):
             runs.append(replay(questions, kinds, vecs, cluster_of, delta, learn, embedder, verifier, window))
             r = runs[-1]
@@ -237,10 +337,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  learned / static, {key}: {b[field] / a[field]:.2f}x", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"lookups": args.lookups, "seed": SEED, "window": WINDOW, "end": END, "shares_asked": SHARES,
-               "mix": mix, "distinct_questions": len(set(questions)), "runs": runs,
+               "mix": mix, "distinct_questions": len(set(questions)), "ceiling": limits, "runs": runs,
                "seconds": round(time.time() - t0, 1)}
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    args.out.with_suffix(".svg").write_text(chart(runs))
+    args.out.with_suffix(".svg").write_text(chart(runs, limits))
     print(f"wrote {args.out}.json and .svg in {time.time() - t0:.0f}s")
 
 

@@ -19,19 +19,22 @@ DATA = envs.get("TOLLGATE_DATA_DIR")
 CACHE_DIR = envs.get("TOLLGATE_EMB_CACHE")
 
 
-def embed_texts(texts: list[str], tag: str) -> np.ndarray:
-    """Vectors for `texts`, computed once per distinct list and stored as .npy under CACHE_DIR."""
+def embed_texts(texts: list[str], tag: str, tuned: bool = True) -> np.ndarray:
+    """Vectors for `texts`, computed once per distinct list and stored as .npy under CACHE_DIR. `tuned`: with the
+    shipped fine-tuning (cache/embedder_lora.npz), else all-MiniLM-L6-v2 as published."""
     from cache.lora import DEFAULT_LORA
 
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
-    if DEFAULT_LORA.exists():  # vectors depend on the shipped fine-tuning too
+    if not tuned:
+        digest += "-base"
+    elif DEFAULT_LORA.exists():  # vectors depend on the shipped fine-tuning too
         digest += "-" + hashlib.sha256(DEFAULT_LORA.read_bytes()).hexdigest()[:8]
     path = CACHE_DIR / f"{tag}-{digest}.npy"
     if path.exists():
         return np.load(path)
     from cache.embedder import Embedder
 
-    emb = Embedder(envs.get("TOLLGATE_MINILM_DIR"), device=envs.get("TOLLGATE_EMB_DEVICE"))
+    emb = Embedder(envs.get("TOLLGATE_MINILM_DIR"), device=envs.get("TOLLGATE_EMB_DEVICE"), lora=tuned)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     out = np.zeros((len(texts), emb.dim), dtype=np.float32)
     step = 4096
