@@ -38,9 +38,9 @@ _LANGUAGE_WORDS = {
     "it": set("il lo la gli è che come perché quale di e per con mio un una del della".split()),
     "pt": set("o os as é que como por qual de e em para com meu um uma do da".split()),
 }
-_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9'’-]*")
-TITLES = frozenset("mr mrs ms dr prof sir madam shri smt".split())
-_NOT_NAMES = STOPWORDS | TITLES
+_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9'’]*")
+_TITLES = frozenset("mr mrs ms dr prof sir madam shri smt".split())
+_NOT_NAMES = STOPWORDS | _TITLES
 _ENDINGS = ("s", "es", "n", "an", "ns", "ans")  # "IITs", "Indian", "Germans": the same name with another ending
 
 
@@ -80,7 +80,7 @@ def _names(text: str) -> list[str]:
     for m in _TOKEN.finditer(text):
         word = _bare(m.group())
         starts_sentence = previous is None or (
-            any(c in text[previous_end:m.start()] for c in ".?!") and previous not in TITLES)
+            any(c in text[previous_end:m.start()] for c in ".?!") and previous not in _TITLES)
         if m.group()[0].isupper() and not starts_sentence and len(word) > 1 and word not in _NOT_NAMES:
             names.append(word)
         previous, previous_end = word, m.end()
