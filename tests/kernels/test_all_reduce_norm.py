@@ -3,8 +3,9 @@
 On the CPU (Triton's interpreter) programs run one after another, so a two-rank exchange runs as: rank 1's message is
 put in rank 0's buffer by hand, rank 0's kernel runs (it sends its own message and finds rank 1's), then rank 1's
 kernel runs (it finds rank 0's message and sends one equal to the hand-made one); and two processes run one rank
-each at once over shared memory, each reaching the buffers at its own addresses. On a GPU both ranks' kernels run
-at once on two streams, replayed in a CUDA graph; tests/engine/test_tensor_parallel_gpu.py runs them on two GPUs."""
+each at once over shared memory, each reaching the buffers at its own addresses. On a GPU the ranks' kernels run at
+once on their own streams, eagerly and each replayed in a CUDA graph of its own; tests/engine/test_tensor_parallel_gpu.py
+runs them on two GPUs."""
 
 from __future__ import annotations
 
@@ -166,10 +167,14 @@ def test_bad_inputs_are_rejected(device: torch.device) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: both ranks' kernels at once")
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
-    """`world` ranks on one GPU, each on its own stream, waiting on each other's stamped words; captured once in a
-    CUDA graph and replayed with new inputs (each replay is a new epoch). The kernel is compiled first: loading a new
-    module while a rank's kernel waits would stall the GPU before the other rank's kernel starts."""
+def test_ranks_on_concurrent_streams_each_in_a_graph(world: int) -> None:
+    """`world` ranks on one GPU, each on its own stream, waiting on each other's stamped words; each rank's call
+    captured in a CUDA graph of its own, as each rank's process captures its step, and the graphs replayed on their
+    streams with new inputs (each replay is a new epoch). Not one graph holding every rank: CUDA runs a graph's
+    independent branches in any order, and on an H100 4 of 40 stream layouts ran one rank's branch only after another
+    rank's, whose wait then ran out. The kernel is compiled first: loading a new module while a rank's kernel waits
+    would stall the GPU before the other rank's kernel starts. Waits give up after seconds, not minutes, so a rank left
+    waiting fails the error check instead of hanging the run."""
     device, dtype, hidden, rows = torch.device("cuda"), torch.bfloat16, 4096, 3
     ranks = _ranks(world, 8, hidden, dtype, device)
     table = _table(ranks)
@@ -179,12 +184,15 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
     streams = [torch.cuda.Stream() for _ in range(world)]
     results: list = [None] * world
 
-    def run_all() -> None:
+    def call(r: int) -> None:
+        results[r] = _call(ranks, r, partials[r], residual, weight, table=table, max_spins=1 << 22)
+
+    def on_each_stream(step) -> None:
         main = torch.cuda.current_stream()
         for r, s in enumerate(streams):
             s.wait_stream(main)
             with torch.cuda.stream(s):
-                results[r] = _call(ranks, r, partials[r], residual, weight, table=table)
+                step(r)
         for s in streams:
             main.wait_stream(s)
 
@@ -202,15 +210,16 @@ def test_ranks_on_concurrent_streams_in_a_graph(world: int) -> None:
 
     refill(0)
     warm_up(partials[0], weight, buffer_ptrs=table, epochs=ranks[0].epochs, error=ranks[0].error, eps=1e-6)
-    run_all()
+    on_each_stream(call)
     torch.cuda.synchronize()
     check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(world)]
+    for r, s in enumerate(streams):
+        with torch.cuda.graph(graphs[r], stream=s):
+            call(r)
     for seed in (1, 2, 3):
         refill(seed)
-        graph.replay()
+        on_each_stream(lambda r: graphs[r].replay())
         torch.cuda.synchronize()
         check()
     assert all(r.error.item() == 0 for r in ranks)
