@@ -62,9 +62,10 @@ def evaluate(pairs: list[dict[str, Any]], cache: Any | None = None,
         "pairs": len(pairs),
         "max_false_hit_rate": max_false_hit_rate,
         "threshold": round(cache.bounds.at(max_false_hit_rate).threshold, 6),
-        "hit_rate": round(dup_hits / dup, 4) if dup else 0.0,
-        "false_hit_rate": round(false_hits / nondup, 4) if nondup else 0.0,
+        "hit_rate": round(dup_hits / dup, 4) if dup else None,  # None: the file has no pair of that kind
+        "false_hit_rate": round(false_hits / nondup, 4) if nondup else None,
         "false_hits": false_hits,
+        "duplicates": dup,
         "non_duplicates": nondup,
     }
 
@@ -84,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"pairs           {result['pairs']}")
         print(f"bound (δ)       {result['max_false_hit_rate']:.2%}  (verifier threshold {result['threshold']:.4f})")
-        print(f"hit rate        {result['hit_rate']:.2%}  (duplicates served from the cache)")
-        print(f"false-hit rate  {result['false_hit_rate']:.2%}  (different questions served a cached answer: "
+        print(f"hit rate        {percent(result['hit_rate'])}  (duplicates served from the cache: "
+              f"{result['duplicates']} in the file)")
+        print(f"false-hit rate  {percent(result['false_hit_rate'])}  (different questions served a cached answer: "
               f"{result['false_hits']} of {result['non_duplicates']})")
     return 0
+
+
+def percent(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:.2%}"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

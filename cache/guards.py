@@ -2,7 +2,7 @@
 
 Sentence embeddings place "enable X" next to "disable X" and "convert A to B" next to "convert B to A"; these rules
 read the words instead. Each returns the reason, or None. A pair caught here scores 0 in the verifiers, so no bound
-and no learned threshold serves it (tests/data/cache_hard_negatives.jsonl: 250 such pairs, all missed).
+and no learned threshold serves it (tests/data/cache_hard_negatives.jsonl: 258 such pairs, all missed).
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ UNITS = frozenset("""mm cm m km meter meters metre metres kilometer kilometers k
     ml l liter liters litre litres gallon gallons pint pints quart quarts cup cups teaspoon teaspoons tablespoon
     tablespoons second seconds minute minutes hour hours day days week weeks month months year years decade decades
     kb mb gb tb kbps mbps gbps w kw mw watt watts kilowatt kilowatts volt volts amp amps hz khz mhz ghz celsius
-    fahrenheit kelvin percent mph kph calories kcal joules dollars euros pounds yen rupees""".split())
+    fahrenheit kelvin percent mph kph calories kcal joules dollars euros pounds yen rupees
+    usd eur gbp jpy inr cny rmb cad aud chf nzd sgd hkd krw rub brl mxn btc eth""".split())
+_ONE = frozenset("a an one per each every".split())  # "a mile", "per hour": a quantity without a number
 TIMES = frozenset("""january february march april may june july august september october november december jan feb mar
     apr jun jul aug sep sept oct nov dec monday tuesday wednesday thursday friday saturday sunday today tonight
     tomorrow yesterday morning afternoon evening night weekend weekday spring summer autumn fall winter""".split())
@@ -119,4 +121,11 @@ def different_question(a: str, b: str) -> str | None:
     cb = [w for w in wb if w not in STOPWORDS or w in DIRECTION_WORDS]
     if sorted(ca) == sorted(cb) and ca != cb and DIRECTION_WORDS & set(ca):
         return "swapped roles"
+    if len(sa & UNITS) > 1 and _measured(wa) != _measured(wb):  # "how many miles is 7 km" / "... km is 7 miles"
+        return "swapped roles"
     return None
+
+
+def _measured(ws: list[str]) -> list[str]:
+    """The units quantities are given in ("7 km", "a mile"), which the other units are asked in."""
+    return sorted(u for q, u in zip(ws, ws[1:]) if u in UNITS and (q[0].isdigit() or q in _ONE))

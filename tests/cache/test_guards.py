@@ -1,6 +1,7 @@
 """The lexical guards (cache/guards.py) read names as names: the same one written another way ("INDIA", "India's",
 "IITs", after "Mr.") is no reason to miss, a name only one prompt says is; capitalised common words and the first
-word of each sentence are not names."""
+word of each sentence are not names. A conversion asked the other way round is another question however it is
+worded ("how many miles is 7 km"), a conversion asked in other words is not."""
 import pytest
 
 from cache.guards import different_question
@@ -36,3 +37,26 @@ def test_the_same_name_written_another_way_is_no_reason_to_miss(a, b):
 def test_a_name_only_one_prompt_says_makes_another_question(a, b):
     assert different_question(a, b) == "entities"
     assert different_question(b, a) == "entities"
+
+
+SAME_CONVERSION = [
+    ("How many km is 5 miles?", "5 miles is how many km?"),
+    ("How many km are in a mile?", "A mile is how many km?"),
+    ("How far is 5 km in miles?", "What is 5 km in miles?"),
+]
+
+OTHER_WAY_ROUND = [
+    ("How many miles is 7 km?", "How many km is 7 miles?"),
+    ("What is 30 USD in EUR?", "What is 30 EUR in USD?"),
+    ("How many kg is 3 pounds?", "How many pounds is 3 kg?"),
+]
+
+
+@pytest.mark.parametrize("a,b", SAME_CONVERSION)
+def test_a_conversion_in_other_words_is_the_same_question(a, b):
+    assert different_question(a, b) is None
+
+
+@pytest.mark.parametrize("a,b", OTHER_WAY_ROUND)
+def test_a_conversion_the_other_way_round_is_another_question(a, b):
+    assert different_question(a, b) == "swapped roles"
