@@ -115,18 +115,28 @@ class SemanticCache:
         bound = self.bounds.at(max_false_hit_rate)
         now = self._clock()
         with self._lock:  # the same prompt in the same namespace needs neither the embedder nor the verifier
-            exact = self._exact_hit(namespace, prompt, now, bound)
+            exact = self._exact_served(namespace, prompt, now, bound)
             if exact is not None:
-                self._observe(namespace.tenant, None)
-                return self._count(namespace, exact, now)
+                return exact
         if embedding is None and not self.embedder.sees_all_of(prompt):
             with self._lock:  # longer than the embedder reads: only the very same text may be served
                 self._observe(namespace.tenant, None)
                 return self._count(namespace, Lookup("miss"), now)
         q = self._embed(prompt) if embedding is None else embedding
         now = self._clock()
-        with self._lock:
+        with self._lock:  # the same prompt may have been stored while it was embedded: it is still the same text
+            exact = self._exact_served(namespace, prompt, now, bound)
+            if exact is not None:
+                return exact
             return self._count(namespace, self._best_candidate(namespace, prompt, q, now, bound), now)
+
+    def _exact_served(self, ns: Namespace, prompt: str, now: float, bound: Bound) -> Lookup | None:
+        """The exact-prompt hit, counted, or None. Under the lock."""
+        exact = self._exact_hit(ns, prompt, now, bound)
+        if exact is None:
+            return None
+        self._observe(ns.tenant, None)
+        return self._count(ns, exact, now)
 
     def learn(self, namespace: Namespace, entry_id: int, score: float, answer: str,
               answer_embedding: np.ndarray | None = None, explored: bool = False) -> bool | None:

@@ -222,3 +222,22 @@ def test_an_older_row_of_a_prompt_leaving_keeps_the_newer_one_served_without_emb
     hit = cache.lookup(NS_A, QUESTION)
     assert (hit.entry_id, hit.answer) == (2, "newer") and counting.prompts == 1
     cache.close()
+
+
+def test_the_same_prompt_stored_while_it_is_embedded_is_an_exact_hit(make_cache):
+    """A lookup that found no entry for its prompt, then embedded it while another request's answer to the very same
+    prompt was stored, is that entry's word-for-word hit (score 1.0, so a flag removes it), not a paraphrase's."""
+    cache = make_cache()
+    prompt = "What is the capital of France?"
+    embed = cache._embed
+
+    def embed_while_the_answer_lands(text: str) -> np.ndarray:  # the race, injected: the store lands mid-embedding
+        vec = embed(text)
+        cache.store(NS_A, prompt, "Paris.")
+        return vec
+
+    cache._embed = embed_while_the_answer_lands
+    found = cache.consult(NS_A, prompt)
+    assert found.state == "hit" and found.score == 1.0
+    cache.note_served("chatcmpl-race", NS_A, found)
+    assert cache.flag(NS_A.tenant, "chatcmpl-race").removed
