@@ -2,7 +2,7 @@
 
 Sentence embeddings place "enable X" next to "disable X" and "convert A to B" next to "convert B to A"; these rules
 read the words instead. Each returns the reason, or None. A pair caught here scores 0 in the verifiers, so no bound
-and no learned threshold serves it (tests/data/cache_hard_negatives.jsonl: 258 such pairs, all missed).
+and no learned threshold serves it (tests/data/cache_hard_negatives.jsonl: 265 such pairs, all missed).
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ UNITS = frozenset("""mm cm m km meter meters metre metres kilometer kilometers k
     tablespoons second seconds minute minutes hour hours day days week weeks month months year years decade decades
     kb mb gb tb kbps mbps gbps w kw mw watt watts kilowatt kilowatts volt volts amp amps hz khz mhz ghz celsius
     fahrenheit kelvin percent mph kph calories kcal joules dollars euros pounds yen rupees
-    usd eur gbp jpy inr cny rmb cad aud chf nzd sgd hkd krw rub brl mxn btc eth""".split())
+    usd eur gbp jpy inr cny rmb cad aud chf nzd sgd hkd krw rub brl mxn btc eth mi ft yd gal gals c f k""".split())
+_CURRENCY_SIGNS = {"$": " usd ", "€": " eur ", "£": " gbp ", "¥": " jpy ", "₹": " inr "}  # words() drops the signs
+_CURRENCY_CODES = frozenset(code.strip() for code in _CURRENCY_SIGNS.values())
 _ONE = frozenset("a an one per each every".split())  # "a mile", "per hour": a quantity without a number
 TIMES = frozenset("""january february march april may june july august september october november december jan feb mar
     apr jun jul aug sep sept oct nov dec monday tuesday wednesday thursday friday saturday sunday today tonight
@@ -102,7 +104,7 @@ def different_question(a: str, b: str) -> str | None:
     """Why `a` and `b` cannot ask the same question, or None when the words allow it."""
     if numbers(a) != numbers(b):
         return "numbers"
-    wa, wb = words(a), words(b)
+    wa, wb = words(_signs_spelled(a)), words(_signs_spelled(b))
     sa, sb = set(wa), set(wb)
     if _negated(wa) != _negated(wb):
         return "negation"
@@ -126,6 +128,14 @@ def different_question(a: str, b: str) -> str | None:
     return None
 
 
+def _signs_spelled(text: str) -> str:
+    for sign, code in _CURRENCY_SIGNS.items():
+        text = text.replace(sign, code)
+    return text
+
+
 def _measured(ws: list[str]) -> list[str]:
-    """The units quantities are given in ("7 km", "a mile"), which the other units are asked in."""
-    return sorted(u for q, u in zip(ws, ws[1:]) if u in UNITS and (q[0].isdigit() or q in _ONE))
+    """The units quantities are given in ("7 km", "a mile", "$30"), which the other units are asked in."""
+    after = [u for q, u in zip(ws, ws[1:]) if u in UNITS and (q[0].isdigit() or q in _ONE)]
+    before = [u for u, q in zip(ws, ws[1:]) if u in _CURRENCY_CODES and q[0].isdigit()]
+    return sorted(after + before)

@@ -43,12 +43,16 @@ SAME_CONVERSION = [
     ("How many km is 5 miles?", "5 miles is how many km?"),
     ("How many km are in a mile?", "A mile is how many km?"),
     ("How far is 5 km in miles?", "What is 5 km in miles?"),
+    ("How much is $30 in EUR?", "$30 is how much in EUR?"),
 ]
 
 OTHER_WAY_ROUND = [
     ("How many miles is 7 km?", "How many km is 7 miles?"),
     ("What is 30 USD in EUR?", "What is 30 EUR in USD?"),
     ("How many kg is 3 pounds?", "How many pounds is 3 kg?"),
+    ("What is 26 C in F?", "What is 26 F in C?"),  # units written short
+    ("How many km is 28 mi?", "How many mi is 28 km?"),
+    ("Convert 27 $ to €", "Convert 27 € to $"),  # currency signs
 ]
 
 

@@ -1,4 +1,4 @@
-"""Never the opposite question: 258 hand-written pairs that embeddings confuse (opposite actions, negation, swapped
+"""Never the opposite question: 265 hand-written pairs that embeddings confuse (opposite actions, negation, swapped
 conversion direction, other numbers, units, dates, names, languages, a changed earlier turn) all miss, at every
 offered bound, through the real lookup path. The pairs (tests/data/cache_hard_negatives.jsonl) are used by no
 training or calibration."""
