@@ -21,15 +21,15 @@ _PAIRED = [("enable", "disable"), ("on", "off"), ("start", "stop"), ("add", "rem
 OPPOSITES = {a: b for a, b in _PAIRED} | {b: a for a, b in _PAIRED}
 _NEGATING_PREFIXES = ("un", "dis", "de", "in", "im", "il", "ir", "non")
 DIRECTION_WORDS = frozenset("to into from than towards onto".split())
-UNITS = frozenset("""mm cm m km meter meters metre metres kilometer kilometers kilometre kilometres mile miles inch inches
+_CURRENCY_CODES = frozenset("usd eur gbp jpy inr cny rmb cad aud chf nzd sgd hkd krw rub brl mxn btc eth".split())
+UNITS = _CURRENCY_CODES | frozenset("""mm cm m km meter meters metre metres kilometer kilometers kilometre kilometres mile miles inch inches
     foot feet yard yards mg g gram grams kg kilogram kilograms pound pounds lb lbs ounce ounces oz ton tons tonne tonnes
     ml l liter liters litre litres gallon gallons pint pints quart quarts cup cups teaspoon teaspoons tablespoon
     tablespoons second seconds minute minutes hour hours day days week weeks month months year years decade decades
     kb mb gb tb kbps mbps gbps w kw mw watt watts kilowatt kilowatts volt volts amp amps hz khz mhz ghz celsius
     fahrenheit kelvin percent mph kph calories kcal joules dollars euros pounds yen rupees
-    usd eur gbp jpy inr cny rmb cad aud chf nzd sgd hkd krw rub brl mxn btc eth mi ft yd gal gals c f k""".split())
+    mi ft yd gal gals c f k""".split())
 _CURRENCY_SIGNS = {"$": " usd ", "€": " eur ", "£": " gbp ", "¥": " jpy ", "₹": " inr "}  # words() drops the signs
-_CURRENCY_CODES = frozenset(code.strip() for code in _CURRENCY_SIGNS.values())
 _ONE = frozenset("a an one per each every".split())  # "a mile", "per hour": a quantity without a number
 TIMES = frozenset("""january february march april may june july august september october november december jan feb mar
     apr jun jul aug sep sept oct nov dec monday tuesday wednesday thursday friday saturday sunday today tonight
@@ -135,7 +135,7 @@ def _signs_spelled(text: str) -> str:
 
 
 def _measured(ws: list[str]) -> list[str]:
-    """The units quantities are given in ("7 km", "a mile", "$30"), which the other units are asked in."""
+    """The units quantities are given in ("7 km", "a mile", "$30", "CAD 30"), which the other units are asked in."""
     after = [u for q, u in zip(ws, ws[1:]) if u in UNITS and (q[0].isdigit() or q in _ONE)]
     before = [u for u, q in zip(ws, ws[1:]) if u in _CURRENCY_CODES and q[0].isdigit()]
     return sorted(after + before)

@@ -53,6 +53,7 @@ OTHER_WAY_ROUND = [
     ("What is 26 C in F?", "What is 26 F in C?"),  # units written short
     ("How many km is 28 mi?", "How many mi is 28 km?"),
     ("Convert 27 $ to €", "Convert 27 € to $"),  # currency signs
+    ("What is CAD 30 in JPY?", "What is JPY 30 in CAD?"),  # a code before its number
 ]
 
 
