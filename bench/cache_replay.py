@@ -225,13 +225,13 @@ def ceiling(questions: list[str], kinds: list[str], vecs: dict[str, np.ndarray],
 
     def at(t: float) -> dict:
         served = scores >= t
+        wrong = served & ~right
         return {"threshold": round(float(t), 5), "paraphrase_hit_rate": float(served[paraphrase].mean()),
                 "paraphrase_hit_rate_end": float(served[-END:][paraphrase[-END:]].mean()),
-                "false_hit_rate": float((served & ~right).mean()),
-                "max_window_false_hit_rate": worst_window(served & ~right),
+                "false_hit_rate": float(wrong.mean()), "max_window_false_hit_rate": worst_window(wrong),
                 "windows": [{"start": a, "paraphrase_hit_rate": float(served[a:a + WINDOW][paraphrase[a:a + WINDOW]].mean())
                              if paraphrase[a:a + WINDOW].any() else None,
-                             "false_hit_rate": float((served & ~right)[a:a + WINDOW].mean())}
+                             "false_hit_rate": float(wrong[a:a + WINDOW].mean())}
                             for a in range(0, len(scores), WINDOW)]}
 
     out = []

@@ -208,7 +208,8 @@ def process_times(pool: Any, before: Any) -> dict[str, float]:
 def timeline_medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Each mode's GPU timeline (bench/gpu_timeline.py), the median over its runs of each figure."""
     return {name: {key: statistics.median(run[key] for run in results) for key in results[0]
-                   if key.startswith(("gpu_", "host_", "lag_"))} for name, results in runs.items()}
+                   if key.startswith(("gpu_", "host_", "lag_")) and not key.startswith("host_stage_")}
+            for name, results in runs.items()}
 
 
 def stage_medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
